@@ -1,0 +1,116 @@
+"""The records that safecompile hands out: states, reasons, events and stats snapshots."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = ["Event", "EventKind", "Reason", "State", "Stats"]
+
+
+class State(str, enum.Enum):
+    """Where a guarded callable stands."""
+
+    PENDING = "pending"  # nothing compiled yet
+    WARMING = "warming"  # compiling; eager serves
+    CANARY = "canary"  # compiled, every call shadow-checked
+    COMPILED = "compiled"
+    ROLLED_BACK = "rolled_back"  # eager serves after a trip
+    DISABLED = "disabled"  # kill switch
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Reason(str, enum.Enum):
+    """Why a guarded callable (or one shape of it) left the compiled path."""
+
+    COMPILE_ERROR = "compile_error"
+    RUNTIME_ERROR = "runtime_error"
+    DRIFT = "drift"
+    RECOMPILE_LIMIT = "recompile_limit"
+    SLOWER = "slower"
+    MANUAL = "manual"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class EventKind(str, enum.Enum):
+    """What an :class:`Event` records."""
+
+    COMPILED = "compiled"  # a shape or bucket compiled
+    ROLLBACK = "rollback"  # the callable tripped to eager
+    RECOMPILE_LIMIT = "recompile_limit"  # a new shape ran eager: too many graphs
+    RETRY = "retry"  # a half-open trial of the compiled path after retry_after
+    RECOVERED = "recovered"  # the trial succeeded; compiled serves again
+    BREACH = "breach"  # a shadow check found drift
+    BUCKET_REJECTED = "bucket_rejected"  # padding changed a bucket's results
+    SHADOW_SKIPPED = "shadow_skipped"  # a shadow check could not be made faithfully
+    DISABLED = "disabled"  # the kill switch turned the callable off
+    ENABLED = "enabled"  # the kill switch turned it back on
+    RESET = "reset"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """One thing that happened to a guarded callable.
+
+    ``file``, ``line`` and ``function`` point at the user's own source (never torch's,
+    safecompile's or generated code), where one is known.
+    """
+
+    kind: EventKind
+    reason: Reason | None = None
+    time: float = 0.0  # wall-clock seconds since the epoch
+    bucket: str | None = None  # the shape or bucket concerned, as text
+    error_type: str | None = None  # qualified name of the exception, for errors
+    message: str | None = None  # bounded in length; never tensor values
+    file: str | None = None
+    line: int | None = None
+    function: str | None = None
+    max_abs_diff: float | None = None
+    max_rel_diff: float | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable form."""
+        out = asdict(self)
+        out["kind"] = self.kind.value
+        out["reason"] = self.reason.value if self.reason is not None else None
+        return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stats:
+    """A snapshot of a guarded callable's counters. ``calls == compiled_calls + eager_calls``."""
+
+    calls: int = 0
+    compiled_calls: int = 0
+    eager_calls: int = 0
+    compiles: int = 0
+    compile_errors: int = 0
+    compile_seconds: float = 0.0
+    graphs: int = 0
+    graph_breaks: int = 0
+    recompile_limit_calls: int = 0
+    shadow_checks: int = 0
+    shadow_breaches: int = 0
+    shadow_skipped: int = 0
+    max_abs_diff: float = 0.0
+    max_rel_diff: float = 0.0
+    rollbacks: int = 0
+    last_rollback: Event | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable form."""
+        out = asdict(self)
+        out["last_rollback"] = (
+            self.last_rollback.to_dict() if self.last_rollback is not None else None
+        )
+        return out
