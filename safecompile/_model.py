@@ -41,6 +41,7 @@ class EventKind(str, enum.Enum):
     """What an :class:`Event` records."""
 
     COMPILED = "compiled"  # a shape or bucket compiled
+    COMPILE_FAILED = "compile_failed"  # compiling a shape or bucket raised
     ROLLBACK = "rollback"  # the callable tripped to eager
     RECOMPILE_LIMIT = "recompile_limit"  # a new shape ran eager: too many graphs
     RETRY = "retry"  # a half-open trial of the compiled path after retry_after
@@ -75,6 +76,7 @@ class Event:
     function: str | None = None
     max_abs_diff: float | None = None
     max_rel_diff: float | None = None
+    duration_s: float | None = None  # compile events: seconds spent compiling
     details: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
