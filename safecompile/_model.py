@@ -52,6 +52,7 @@ class EventKind(str, enum.Enum):
     DISABLED = "disabled"  # the kill switch turned the callable off
     ENABLED = "enabled"  # the kill switch turned it back on
     RESET = "reset"
+    WARMUP_FAILED = "warmup_failed"  # a warmup example raised in eager too
 
     def __str__(self) -> str:
         return self.value

@@ -1,0 +1,37 @@
+"""safecompile: make ``torch.compile`` safe to switch on in production.
+
+One line, ``@safe_compile``, on a function, a method or an ``nn.Module``: compile with
+warmup, bound recompiles with shape buckets, shadow-check compiled outputs against eager,
+and roll back to eager automatically when anything goes wrong.
+"""
+
+from __future__ import annotations
+
+from ._errors import ConfigError
+from ._guard import Guarded, safe_compile
+from ._killswitch import ENV_VAR, disable, enable
+from ._model import Event, EventKind, Reason, State, Stats
+from ._policies import Buckets, Rollback, Shadow, Warmup, pow2
+from ._telemetry import configure
+from ._version import __version__
+
+__all__ = [
+    "ENV_VAR",
+    "Buckets",
+    "ConfigError",
+    "Event",
+    "EventKind",
+    "Guarded",
+    "Reason",
+    "Rollback",
+    "Shadow",
+    "State",
+    "Stats",
+    "Warmup",
+    "__version__",
+    "configure",
+    "disable",
+    "enable",
+    "pow2",
+    "safe_compile",
+]

@@ -1,0 +1,110 @@
+"""Checking ``torch.compile``'s own options early, and building the compiler we wrap.
+
+safecompile hands ``torch.compile`` a backend of its own that wraps the user's: it sees
+every graph as it is compiled (graph breaks, compile time) without a global hook. To keep
+inductor's ``mode``/``options`` while wrapping, we build the same compiler object that
+``torch.compile`` itself would build from them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ._errors import ConfigError
+
+__all__ = ["backend_name", "build_compiler", "validate_compile_options"]
+
+CompilerFn = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
+
+
+def _known_backends() -> list[str]:
+    return sorted(torch._dynamo.list_backends(exclude_tags=()))
+
+
+def backend_name(backend: str | Callable[..., Any]) -> str:
+    """A readable name for a backend given as a name or a callable."""
+    if isinstance(backend, str):
+        return backend
+    name = getattr(backend, "__name__", None) or type(backend).__name__
+    return str(name)
+
+
+def validate_compile_options(
+    *,
+    backend: object,
+    mode: object,
+    options: object,
+    dynamic: object,
+    fullgraph: object,
+) -> None:
+    """Refuse what ``torch.compile`` would refuse later (or silently ignore), now."""
+    if isinstance(backend, str):
+        known = _known_backends()
+        if backend not in known:
+            raise ConfigError(
+                f"safe_compile(backend={backend!r}) is not a known backend; "
+                f"allowed: {', '.join(known)}, or a callable (gm, example_inputs) -> callable"
+            )
+    elif not callable(backend):
+        raise ConfigError(
+            "safe_compile(backend=...) must be a backend name or a callable "
+            f"(gm, example_inputs) -> callable, got {type(backend).__name__}"
+        )
+    if mode is not None:
+        modes = sorted(torch._inductor.list_mode_options())
+        if not isinstance(mode, str) or mode not in modes:
+            raise ConfigError(
+                f"safe_compile(mode={mode!r}) must be None or one of: {', '.join(modes)}"
+            )
+        if backend != "inductor" and mode != "default":
+            raise ConfigError(
+                f"safe_compile(mode={mode!r}) only applies to backend='inductor', "
+                f"got backend={backend_name(backend)!r}"  # type: ignore[arg-type]
+            )
+    if options is not None:
+        if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+            raise ConfigError(
+                "safe_compile(options=...) must be a dict of option name to value, "
+                f"got {type(options).__name__}"
+            )
+        if mode is not None:
+            raise ConfigError(
+                "safe_compile(mode=..., options=...): give one of them, not both "
+                "(torch.compile refuses both)"
+            )
+        if backend == "inductor":
+            known_options = set(torch._inductor.list_options())
+            special = {"guard_filter_fn", "use_aoti"}
+            unknown = sorted(k for k in options if k not in known_options and k not in special)
+            if unknown:
+                raise ConfigError(
+                    f"safe_compile(options=...) has unknown inductor options: {', '.join(unknown)} "
+                    "(torch._inductor.list_options() lists the allowed ones)"
+                )
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise ConfigError(f"safe_compile(dynamic=...) must be None, True or False, got {dynamic!r}")
+    if not isinstance(fullgraph, bool):
+        raise ConfigError(f"safe_compile(fullgraph=...) must be True or False, got {fullgraph!r}")
+
+
+def build_compiler(
+    backend: str | Callable[..., Any],
+    *,
+    mode: str | None,
+    options: Mapping[str, Any] | None,
+    dynamic: bool | None,
+) -> CompilerFn:
+    """The compiler ``torch.compile(backend=..., mode=..., options=...)`` would use."""
+    opts = dict(options) if options is not None else None
+    if opts is not None:
+        opts.pop("guard_filter_fn", None)
+    if mode is None and opts is None:
+        mode = "default"
+    if backend == "inductor":
+        compiler: CompilerFn = torch._TorchCompileInductorWrapper(mode, opts, dynamic)
+    else:
+        compiler = torch._TorchCompileWrapper(backend, mode, opts, dynamic)
+    return compiler

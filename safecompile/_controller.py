@@ -1,0 +1,818 @@
+"""The controller behind every guarded callable: a small state machine and its hot path.
+
+One :class:`Controller` per guarded callable holds the compiled function, one entry per
+input shape (or bucket) seen, the trip state, counters and the recent events. The hot
+path (:meth:`Controller.__call__`) is a few lines: read the kill switch, look the shape
+up, and call the compiled function when the shape is compiled and no check is due.
+Everything else — first calls that compile, shadow checks, failures, trips, retries — is
+on the slow path, where clarity matters more than nanoseconds.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import threading
+import time
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from . import _killswitch as ks
+from ._backend import CompilerFn
+from ._model import Event, EventKind, Reason, State, Stats
+from ._policies import Rollback, Shadow
+from ._shadow import ShadowRunner
+from ._source import (
+    SourceLocation,
+    error_type_name,
+    graph_breaks_of,
+    location_of_error,
+    location_of_function,
+    truncate,
+)
+
+__all__ = ["Clock", "Controller", "Sink"]
+
+_FOREVER = 1 << 62  # a countdown that never runs out
+_MAX_EVENTS = 256
+_MAX_ENTRIES = 4096
+_Key = Hashable
+
+# Exceptions raised while dynamo traces or a backend compiles (not by compiled code).
+_COMPILE_ERRORS: tuple[type[BaseException], ...] = (
+    torch._dynamo.exc.TorchDynamoException,
+    torch._dynamo.exc.FailOnRecompileLimitHit,
+)
+
+# Operators whose compiled random streams differ from eager's: no faithful shadow check.
+_RANDOM_MARKERS = (
+    "rand",
+    "dropout",
+    "bernoulli",
+    "normal",
+    "multinomial",
+    "uniform",
+    "exponential",
+    "cauchy",
+    "geometric",
+    "poisson",
+)
+
+
+class Clock(Protocol):
+    """Monotonic seconds; injected so tests never sleep."""
+
+    def __call__(self) -> float: ...
+
+
+class Sink(Protocol):
+    """Where events and shadow-check figures go (telemetry: traces, metrics, logs)."""
+
+    def event(self, event: Event) -> None: ...
+
+    def shadow_check(
+        self, *, passed: bool, max_abs: float, max_rel: float, bucket: str | None, log_span: bool
+    ) -> None: ...
+
+    def observe_calls(self, source: Callable[[], tuple[int, int]]) -> None: ...
+
+
+class _Status(enum.Enum):
+    COMPILING = "compiling"  # its first call is compiling it now
+    READY = "ready"  # compiled; serves
+    EAGER = "eager"  # runs eager: past the recompile limit, oversize, or rejected
+
+
+@dataclass(slots=True, eq=False)
+class Entry:
+    """What the controller knows about one input shape (or bucket)."""
+
+    label: str
+    status: _Status
+    countdown: int = 0  # fast-path calls left before the next check is due
+    canary_left: int = 0
+    calls: int = 0
+    graphs: int = 0
+    compile_s: float = 0.0
+    why_eager: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class CompileOptions:
+    """What is handed to ``torch.compile`` (validated by the decorator)."""
+
+    backend: str | Callable[..., Any]
+    backend_label: str
+    mode: str | None
+    options: Mapping[str, Any] | None
+    dynamic: bool | None
+    fullgraph: bool
+    compiler: CompilerFn
+
+
+class Controller:
+    """The ``.safecompile`` attribute of a guarded callable (see API.md §2)."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        fn: Callable[..., Any],
+        key: Callable[[tuple[Any, ...], dict[str, Any]], _Key],
+        compile_options: CompileOptions,
+        shadow: Shadow | None,
+        rollback: Rollback,
+        rollout: float,
+        sink: Sink,
+        clock: Clock,
+        module: torch.nn.Module | None = None,
+    ) -> None:
+        self.name = name
+        self._fn = fn
+        self._key = key
+        self._opts = compile_options
+        self._shadow_policy = shadow
+        self._rollback_policy = rollback
+        self._rollout = rollout
+        self._sink = sink
+        self._clock = clock
+        self._module = module
+        self._fn_location = location_of_function(module if module is not None else fn)
+
+        self._lock = threading.RLock()
+        self._tls = threading.local()
+        self._entries: dict[_Key, Entry] = {}
+        self._events: collections.deque[Event] = collections.deque(maxlen=_MAX_EVENTS)
+        self._compiled: Callable[..., Any] = self._make_compiled()
+        self._compiling_thread: int | None = None
+        self._warming = 0
+
+        # kill switch cache: re-evaluated when the environment or code switch changes
+        self._sw_token: object = object()
+        self._sw_generation = -1
+        self._disabled = False
+
+        # trips
+        self._tripped = False
+        self._trial_running = False
+        self._retry_at: float | None = None
+        self._retry_wait = rollback.retry_after or 0.0
+        self._last_recovery: float | None = None
+
+        # the hot path's one flag: compiled may serve without the slow path
+        self._fast = False
+        self._rollout_acc = 0.0
+
+        # counters (under the lock)
+        self._compiled_calls = 0
+        self._eager_calls = 0
+        self._compiles = 0
+        self._compile_errors = 0
+        self._compile_s = 0.0
+        self._graphs = 0
+        self._graph_breaks = 0
+        self._hidden_graphs = 0
+        self._recompile_limit_calls = 0
+        self._rollbacks = 0
+        self._last_rollback: Event | None = None
+        self._limit_reported = False
+        self._random_op: str | None = None
+
+        self.shadow = ShadowRunner(
+            policy=shadow,
+            rollback=rollback,
+            fn=fn,
+            module=module,
+            on_breach=self._on_async_breach,
+            on_slower=self._on_slower,
+            sink=sink,
+            record=self._record,
+        )
+        self._refresh_switch()
+        sink.observe_calls(self._call_counts)
+
+    # ------------------------------------------------------------------ hot path
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Run one call: compiled when it is safe to, eager otherwise."""
+        if ks.env_token() is not self._sw_token or ks.SWITCH.generation != self._sw_generation:
+            self._refresh_switch()
+        if self._fast:
+            entry = self._entries.get(self._key(args, kwargs))
+            if entry is not None and entry.countdown > 0:
+                entry.countdown -= 1
+                try:
+                    out = self._compiled(*args, **kwargs)
+                except Exception as exc:  # noqa: BLE001 - every compiler failure is answered
+                    failure: Exception = exc
+                else:
+                    with self._lock:
+                        self._compiled_calls += 1
+                        entry.calls += 1
+                    return out
+                return self._recover(failure, entry, args, kwargs)
+        return self._slow(args, kwargs)
+
+    # ------------------------------------------------------------------ public controller
+
+    @property
+    def state(self) -> State:
+        """Where the callable stands now (see :class:`State`)."""
+        if self._disabled:
+            return State.DISABLED
+        if self._tripped:
+            return State.ROLLED_BACK
+        ready = [e for e in list(self._entries.values()) if e.status is _Status.READY]
+        if not ready:
+            return State.WARMING if (self._compiling_thread or self._warming) else State.PENDING
+        if self._shadow_policy is not None and any(e.canary_left > 0 for e in ready):
+            return State.CANARY
+        return State.COMPILED
+
+    def stats(self) -> Stats:
+        """A frozen snapshot of the counters."""
+        with self._lock:
+            shadow = self.shadow.figures()
+            return Stats(
+                calls=self._compiled_calls + self._eager_calls,
+                compiled_calls=self._compiled_calls,
+                eager_calls=self._eager_calls,
+                compiles=self._compiles,
+                compile_errors=self._compile_errors,
+                compile_seconds=self._compile_s,
+                graphs=self._graphs,
+                graph_breaks=self._graph_breaks,
+                recompile_limit_calls=self._recompile_limit_calls,
+                shadow_checks=shadow.checks,
+                shadow_breaches=shadow.breaches,
+                shadow_skipped=shadow.skipped,
+                max_abs_diff=shadow.max_abs,
+                max_rel_diff=shadow.max_rel,
+                rollbacks=self._rollbacks,
+                last_rollback=self._last_rollback,
+                extra={"latency": shadow.latency, "shadow_queue_full": shadow.queue_full},
+            )
+
+    def events(self) -> tuple[Event, ...]:
+        """The most recent events (at most 256), newest last."""
+        with self._lock:
+            return tuple(self._events)
+
+    def warmup(self, *args: Any, **kwargs: Any) -> None:
+        """Compile now for these inputs, blocking; the result is discarded.
+
+        Warmup calls are not counted as calls. A failure trips the callable as a live
+        call would (a user's own error in the example inputs is raised).
+        """
+        if self._disabled:
+            return
+        with self._lock:
+            self._warming += 1
+        try:
+            self._slow(args, kwargs, warmup=True)
+        finally:
+            with self._lock:
+                self._warming -= 1
+
+    def note_warmup_error(self, error: BaseException) -> None:
+        """A background warmup example raised eagerly too: record it; eager keeps serving."""
+        where, details = self._error_where(error)
+        self._record(
+            Event(
+                kind=EventKind.WARMUP_FAILED,
+                time=time.time(),
+                error_type=error_type_name(error),
+                message=truncate(str(error)),
+                details=details,
+                **where,
+            )
+        )
+
+    def rollback(self, reason: Reason | str = Reason.MANUAL) -> None:
+        """Trip to eager now."""
+        self._trip(Reason(reason), message="rolled back by a call to rollback()")
+
+    def reset(self) -> None:
+        """Forget trips, verdicts and compiled graphs: back to ``"pending"``."""
+        with self._lock:
+            self._entries.clear()
+            self._compiled = self._make_compiled()
+            self._tripped = False
+            self._trial_running = False
+            self._retry_at = None
+            self._retry_wait = self._rollback_policy.retry_after or 0.0
+            self._last_recovery = None
+            self._limit_reported = False
+            self._compiles = 0
+            self._graphs = 0
+            self._hidden_graphs = 0
+            self._random_op = None
+            self.shadow.reset()
+            self._update_fast()
+        self._record(Event(kind=EventKind.RESET, time=time.time(), message="reset()"))
+
+    def report(self) -> dict[str, Any]:
+        """Everything above as a JSON-serialisable dict, for tools."""
+        with self._lock:
+            entries = {
+                e.label: {
+                    "status": e.status.value,
+                    "calls": e.calls,
+                    "graphs": e.graphs,
+                    "compile_s": e.compile_s,
+                    "canary_left": e.canary_left,
+                    "why_eager": e.why_eager,
+                    **e.extra,
+                }
+                for e in self._entries.values()
+            }
+        return {
+            "name": self.name,
+            "state": self.state.value,
+            "backend": self._opts.backend_label,
+            "mode": self._opts.mode,
+            "dynamic": self._opts.dynamic,
+            "fullgraph": self._opts.fullgraph,
+            "rollout": self._rollout,
+            "retry_at": self._retry_at,
+            "stats": self.stats().to_dict(),
+            "shapes": entries,
+            "events": [e.to_dict() for e in self.events()],
+            "source": _location_dict(self._fn_location),
+        }
+
+    # ------------------------------------------------------------------ slow path
+
+    def _slow(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmup: bool = False) -> Any:
+        if self._disabled:
+            return self._eager(args, kwargs)
+        trial = False
+        if self._tripped:
+            if not self._claim_trial():
+                return self._eager(args, kwargs)
+            trial = True
+        elif self._rollout < 1.0 and not warmup and not self._pick_compiled():
+            return self._eager(args, kwargs)
+        try:
+            key = self._key(args, kwargs)
+            entry = self._entries.get(key)
+            if entry is None:
+                entry = self._claim_new_entry(key, args, kwargs)
+                if entry is None:
+                    return self._eager(args, kwargs, warmup=warmup)
+                return self._run(entry, args, kwargs, first=True, check=True, warmup=warmup)
+            if entry.status is not _Status.READY:
+                if entry.why_eager == "recompile_limit" and not warmup:
+                    with self._lock:
+                        self._recompile_limit_calls += 1
+                return self._eager(args, kwargs, warmup=warmup)
+            check = trial or warmup or entry.countdown <= 0
+            if not check:
+                entry.countdown -= 1
+            return self._run(entry, args, kwargs, first=False, check=check, warmup=warmup)
+        finally:
+            if trial:
+                self._end_trial()
+
+    def _claim_new_entry(
+        self, key: _Key, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Entry | None:
+        """Make the entry for a new shape and own its compile, or say to run eager."""
+        label = _label(key)
+        with self._lock:
+            if key in self._entries or self._compiling_thread is not None:
+                return None  # single flight: someone is compiling; eager serves meanwhile
+            if self._compiles >= self._rollback_policy.max_recompiles:
+                self._entries[key] = Entry(
+                    label=label, status=_Status.EAGER, why_eager="recompile_limit"
+                )
+                self._recompile_limit_calls += 1
+                first_time = not self._limit_reported
+                self._limit_reported = True
+            else:
+                if len(self._entries) >= _MAX_ENTRIES:
+                    self._entries.pop(next(iter(self._entries)))
+                entry = Entry(label=label, status=_Status.COMPILING)
+                self._entries[key] = entry
+                self._compiling_thread = threading.get_ident()
+                return entry
+        if first_time:
+            limit = self._rollback_policy.max_recompiles
+            self._record(
+                Event(
+                    kind=EventKind.RECOMPILE_LIMIT,
+                    reason=Reason.RECOMPILE_LIMIT,
+                    time=time.time(),
+                    bucket=label,
+                    message=(
+                        f"{self._compiles} compiles reached max_recompiles={limit}: new shapes "
+                        "run eager from now on; compiled shapes keep serving"
+                    ),
+                    **_location_kwargs(self._fn_location),
+                )
+            )
+        return None
+
+    def _run(
+        self,
+        entry: Entry,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        first: bool,
+        check: bool,
+        warmup: bool,
+    ) -> Any:
+        """Call the compiled function, with a shadow check when one is due."""
+        check = check and self.shadow.wants_check(entry, first=first)
+        prepared = self.shadow.prepare(args, kwargs) if check else None
+        self._tls.graphs = []
+        started = self._clock()
+        perf0 = time.perf_counter()
+        try:
+            out = self._compiled(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - every compiler failure is answered
+            failure: Exception | None = exc
+        else:
+            failure = None
+        if prepared is not None and failure is None:
+            self.shadow.sync_device(out)
+        elapsed = time.perf_counter() - perf0
+        graphs: list[dict[str, Any]] = self._tls.graphs
+        self._tls.graphs = None
+        if first:
+            with self._lock:
+                self._compiling_thread = None
+        if failure is not None:
+            return self._recover(failure, entry, args, kwargs, graphs=graphs, warmup=warmup)
+        if first:
+            self._compiled_entry(entry, graphs, self._clock() - started)
+        if prepared is None:
+            self._count(compiled=True, entry=entry, warmup=warmup)
+            return out
+        verdict = self.shadow.check(
+            entry, prepared, out, compiled_s=None if graphs else elapsed, first=first
+        )
+        if verdict.breach is not None:
+            self._trip(
+                Reason.DRIFT,
+                message=verdict.breach,
+                entry=entry,
+                max_abs=verdict.max_abs,
+                max_rel=verdict.max_rel,
+            )
+            self._count(compiled=False, entry=entry, warmup=warmup)
+            return verdict.eager_out
+        self._count(compiled=True, entry=entry, warmup=warmup)
+        self._after_check(entry)
+        return out
+
+    def _compiled_entry(self, entry: Entry, graphs: list[dict[str, Any]], seconds: float) -> None:
+        """Note a shape's first successful compiled call (and the graphs it compiled)."""
+        breaks = [b for g in graphs for b in g["breaks"]]
+        with self._lock:
+            entry.status = _Status.READY
+            policy = self._shadow_policy
+            entry.canary_left = policy.canary if policy is not None else 0
+            entry.countdown = self.shadow.next_countdown(entry)
+            if graphs:
+                self._compiles += 1
+                self._compile_s += seconds
+                entry.graphs += len(graphs)
+                entry.compile_s += seconds
+            self._update_fast()
+        if graphs:
+            self._record(
+                Event(
+                    kind=EventKind.COMPILED,
+                    time=time.time(),
+                    bucket=entry.label,
+                    duration_s=seconds,
+                    message=f"compiled {len(graphs)} graph(s) with {len(breaks)} graph break(s)",
+                    details={"graphs": len(graphs), "graph_breaks": breaks},
+                    **_location_kwargs(self._fn_location),
+                )
+            )
+
+    def _after_check(self, entry: Entry) -> None:
+        with self._lock:
+            if entry.canary_left > 0:
+                entry.canary_left -= 1
+            entry.countdown = self.shadow.next_countdown(entry)
+            self._update_fast()
+
+    def _recover(
+        self,
+        failure: Exception,
+        entry: Entry,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        graphs: list[dict[str, Any]] | None = None,
+        warmup: bool = False,
+    ) -> Any:
+        """The compiled path raised: answer with eager's result, or eager's own error."""
+        reason = (
+            Reason.COMPILE_ERROR if isinstance(failure, _COMPILE_ERRORS) else Reason.RUNTIME_ERROR
+        )
+        if reason is Reason.COMPILE_ERROR or entry.status is _Status.COMPILING:
+            with self._lock:
+                if self._entries.get(self._key(args, kwargs)) is entry:
+                    del self._entries[self._key(args, kwargs)]
+                if self._compiling_thread == threading.get_ident():
+                    self._compiling_thread = None
+        user_error: Exception | None = None
+        out: Any = None
+        try:
+            out = self._fn(*args, **kwargs)
+        except Exception as exc:  # noqa: BLE001
+            user_error = exc
+        if not warmup:
+            self._count(compiled=False)
+        if user_error is not None:
+            del failure  # eager raises too: the user's own error, not the compiler's
+            raise user_error
+        if reason is Reason.COMPILE_ERROR:
+            with self._lock:
+                self._compile_errors += 1
+            where, details = self._error_where(failure)
+            details["graph_breaks"] = [b for g in graphs or () for b in g["breaks"]]
+            self._record(
+                Event(
+                    kind=EventKind.COMPILE_FAILED,
+                    reason=reason,
+                    time=time.time(),
+                    bucket=entry.label,
+                    error_type=error_type_name(failure),
+                    message=truncate(str(failure)),
+                    details=details,
+                    **where,
+                )
+            )
+        self._trip(reason, error=failure, entry=entry)
+        return out
+
+    def _eager(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmup: bool = False
+    ) -> Any:
+        if warmup:
+            return None
+        try:
+            return self._fn(*args, **kwargs)
+        finally:
+            self._count(compiled=False)
+
+    def _count(self, *, compiled: bool, entry: Entry | None = None, warmup: bool = False) -> None:
+        if warmup:
+            return
+        with self._lock:
+            if compiled:
+                self._compiled_calls += 1
+            else:
+                self._eager_calls += 1
+            if entry is not None:
+                entry.calls += 1
+
+    def _call_counts(self) -> tuple[int, int]:
+        return self._compiled_calls, self._eager_calls
+
+    # ------------------------------------------------------------------ trips and retries
+
+    def _trip(
+        self,
+        reason: Reason,
+        *,
+        error: BaseException | None = None,
+        message: str | None = None,
+        entry: Entry | None = None,
+        max_abs: float | None = None,
+        max_rel: float | None = None,
+    ) -> None:
+        """Send every later call to eager (until ``retry_after``, or ``reset()``)."""
+        now = self._clock()
+        with self._lock:
+            if self._tripped and reason is not Reason.MANUAL:
+                return
+            self._tripped = True
+            self._rollbacks += 1
+            retry = self._rollback_policy.retry_after
+            if retry is not None:
+                # Back off while the compiled path keeps failing: a failed trial, or a trip
+                # soon after a recovery, doubles the wait; a quiet spell resets it.
+                recent = self._last_recovery is not None and (
+                    now - self._last_recovery < 2 * self._retry_wait
+                )
+                if self._trial_running or recent:
+                    cap = self._rollback_policy.max_retry_after
+                    self._retry_wait = min(self._retry_wait * 2, cap)
+                else:
+                    self._retry_wait = retry
+                self._retry_at = now + self._retry_wait
+            self._update_fast()
+        if error is not None:
+            where, details = self._error_where(error)
+        else:
+            where, details = _location_kwargs(self._fn_location), {}
+        if self._retry_at is not None and retry is not None:
+            details["retry_in_s"] = self._retry_wait
+        event = Event(
+            kind=EventKind.ROLLBACK,
+            reason=reason,
+            time=time.time(),
+            bucket=entry.label if entry is not None else None,
+            error_type=error_type_name(error) if error is not None else None,
+            message=truncate(message if message is not None else str(error)),
+            max_abs_diff=max_abs,
+            max_rel_diff=max_rel,
+            details=details,
+            **where,
+        )
+        with self._lock:
+            self._last_rollback = event
+        self._record(event)
+
+    def _claim_trial(self) -> bool:
+        """Whether this call is the half-open trial of the compiled path."""
+        with self._lock:
+            if (
+                self._retry_at is None
+                or self._trial_running
+                or self._disabled
+                or self._clock() < self._retry_at
+            ):
+                return False
+            self._trial_running = True
+            self._tripped = False  # lifted for the trial call; a failure re-trips
+        self._record(
+            Event(kind=EventKind.RETRY, time=time.time(), message="trying the compiled path again")
+        )
+        return True
+
+    def _end_trial(self) -> None:
+        with self._lock:
+            self._trial_running = False
+            if self._tripped:
+                return  # the trial failed: _trip scheduled the next one, with a longer wait
+            self._last_recovery = self._clock()
+            self._retry_at = None
+            for entry in self._entries.values():
+                if entry.status is _Status.READY and self._shadow_policy is not None:
+                    entry.canary_left = self._shadow_policy.canary
+                    entry.countdown = self.shadow.next_countdown(entry)
+            self._update_fast()
+        self._record(
+            Event(kind=EventKind.RECOVERED, time=time.time(), message="compiled path serves again")
+        )
+
+    def _on_async_breach(
+        self, entry: Entry, message: str, max_abs: float, max_rel: float
+    ) -> None:
+        self._trip(
+            Reason.DRIFT, message=message, entry=entry, max_abs=max_abs, max_rel=max_rel
+        )
+
+    def _on_slower(self, message: str) -> None:
+        self._trip(Reason.SLOWER, message=message)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _refresh_switch(self) -> None:
+        """Re-read the kill switch (the environment or ``disable()`` changed)."""
+        with self._lock:
+            token = ks.env_token()
+            generation = ks.SWITCH.generation
+            disabled = ks.parse(token if isinstance(token, str | bytes) else None).matches(
+                self.name
+            ) or ks.SWITCH.rule.matches(self.name)
+            changed = disabled != self._disabled
+            self._sw_token = token
+            self._sw_generation = generation
+            self._disabled = disabled
+            self._update_fast()
+        if changed:
+            kind = EventKind.DISABLED if disabled else EventKind.ENABLED
+            self._record(
+                Event(
+                    kind=kind,
+                    time=time.time(),
+                    message=f"kill switch: {ks.ENV_VAR} or disable() "
+                    + ("turned this callable off" if disabled else "no longer applies"),
+                )
+            )
+
+    def _update_fast(self) -> None:
+        """Recompute the hot path's flag (call with the lock held)."""
+        self._fast = not self._disabled and not self._tripped and self._rollout >= 1.0
+
+    def _pick_compiled(self) -> bool:
+        """Staged rollout: route exactly a ``rollout`` share of calls to compiled."""
+        with self._lock:
+            self._rollout_acc += self._rollout
+            if self._rollout_acc >= 1.0:
+                self._rollout_acc -= 1.0
+                return True
+            return False
+
+    def _record(self, event: Event) -> None:
+        with self._lock:
+            self._events.append(event)
+        self._sink.event(event)
+
+    def _error_where(self, error: BaseException) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The user's source location of an error, and where generated code raised it."""
+        where, generated = location_of_error(error, self._module or self._fn)
+        details = {"generated_file": generated} if generated is not None else {}
+        return _location_kwargs(where or self._fn_location), details
+
+    def _make_compiled(self) -> Callable[..., Any]:
+        opts = self._opts
+        limit = self._rollback_policy.max_recompiles
+        extra: dict[str, Any] = {}
+        if opts.options and "guard_filter_fn" in opts.options:
+            extra["options"] = {"guard_filter_fn": opts.options["guard_filter_fn"]}
+        compiled: Callable[..., Any] = torch.compile(
+            self._fn,
+            backend=_GuardBackend(self),
+            dynamic=opts.dynamic,
+            fullgraph=opts.fullgraph,
+            # torch's own limit stays above ours, so torch never falls back silently first
+            recompile_limit=max(2 * limit + 2, 8),
+            isolate_recompiles=True,
+            **extra,
+        )
+        return compiled
+
+    def _on_graph(self, gm: torch.fx.GraphModule) -> None:
+        """Called by the backend for every graph dynamo hands it (on the compiling thread)."""
+        breaks = graph_breaks_of(gm)
+        random_op = _random_op_in(gm)
+        graphs: list[dict[str, Any]] | None = getattr(self._tls, "graphs", None)
+        with self._lock:
+            self._graphs += 1
+            self._graph_breaks += len(breaks)
+            if random_op is not None and self._random_op is None:
+                self._random_op = random_op
+                self.shadow.mark_random(random_op)
+            if graphs is not None:
+                graphs.append({"breaks": breaks})
+                return
+            # A graph compiled on the fast path: dynamo recompiled for a reason our shape
+            # key does not see (a Python scalar, a global, grad mode...).
+            self._hidden_graphs += 1
+            storm = self._hidden_graphs > 2 * self._rollback_policy.max_recompiles
+        if storm:
+            self._trip(
+                Reason.RECOMPILE_LIMIT,
+                message=(
+                    f"{self._hidden_graphs} recompiles on shapes already compiled: the inputs "
+                    "change in ways that force recompiles (Python scalars, globals, modes)"
+                ),
+            )
+
+
+class _GuardBackend:
+    """The backend handed to ``torch.compile``: observes each graph, then compiles it."""
+
+    def __init__(self, controller: Controller) -> None:
+        self._controller = controller
+        self.__name__ = f"safecompile[{controller._opts.backend_label}]"
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        self._controller._on_graph(gm)
+        compiler = self._controller._opts.compiler
+        # Compile the backward graph now, not lazily at .backward(): a failure then
+        # surfaces here, on the guarded call, where it can be answered with eager.
+        with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+            return compiler(gm, example_inputs)
+
+
+def _random_op_in(gm: torch.fx.GraphModule) -> str | None:
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        target = node.target
+        name = target if isinstance(target, str) else getattr(target, "__name__", str(target))
+        lowered = name.lower()
+        if any(marker in lowered for marker in _RANDOM_MARKERS):
+            if "dropout" in lowered and node.kwargs.get("training") is False:
+                continue
+            return name
+    return None
+
+
+def _label(key: _Key) -> str:
+    return truncate(str(key), 200)
+
+
+def _location_kwargs(where: SourceLocation | None) -> dict[str, Any]:
+    if where is None:
+        return {}
+    return {"file": where.file, "line": where.line, "function": where.function}
+
+
+def _location_dict(where: SourceLocation | None) -> dict[str, Any] | None:
+    return _location_kwargs(where) or None

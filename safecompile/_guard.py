@@ -1,0 +1,296 @@
+"""``safe_compile``: the decorator, its forms, and the guarded callable it returns."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import time
+import types
+from collections.abc import Callable, Hashable
+from typing import Any, TypeVar, overload
+
+import torch
+
+from ._backend import backend_name, build_compiler, validate_compile_options
+from ._controller import Clock, CompileOptions, Controller, Sink
+from ._errors import ConfigError
+from ._policies import Buckets, Rollback, Shadow, Warmup
+from ._telemetry import Telemetry
+
+__all__ = ["Guarded", "safe_compile"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+M = TypeVar("M", bound=torch.nn.Module)
+
+_DEFAULT_SHADOW = Shadow()
+_DEFAULT_ROLLBACK = Rollback()
+_UNSET: Any = object()
+
+
+class Guarded:
+    """A guarded function: call it like the original; ``.safecompile`` controls it."""
+
+    safecompile: Controller
+
+    def __init__(self, controller: Controller, wrapped: Callable[..., Any]) -> None:
+        self.safecompile = controller
+        self._call = controller.__call__
+        functools.update_wrapper(self, wrapped)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._call(*args, **kwargs)
+
+    def __get__(self, obj: object, objtype: type | None = None) -> Any:
+        """On a method in a class body: bind like a function does."""
+        if obj is None:
+            return self
+        return types.MethodType(self, obj)
+
+    def __repr__(self) -> str:
+        c = self.safecompile
+        return f"<safe_compile {c.name!r} state={c.state.value}>"
+
+
+def _shape_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    """One key per input signature dynamo would compile a graph for: tensor shapes and dtypes."""
+    if not kwargs and len(args) == 1:
+        a = args[0]
+        if type(a) is torch.Tensor:
+            return (a.shape, a.dtype)
+    return _generic_key(args, kwargs)
+
+
+def _generic_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
+    parts: list[Hashable] = [_part(a) for a in args]
+    for name in kwargs:
+        parts.append(name)
+        parts.append(_part(kwargs[name]))
+    return tuple(parts)
+
+
+def _part(value: Any) -> Hashable:
+    if isinstance(value, torch.Tensor):
+        return (value.shape, value.dtype, value.device.type)
+    if isinstance(value, list | tuple):
+        return (type(value), tuple(_part(v) for v in value))
+    if isinstance(value, dict):
+        return (dict, tuple((k, _part(v)) for k, v in value.items()))
+    return type(value)  # scalars: dynamo specialises, then goes dynamic; not our key
+
+
+@overload
+def safe_compile(fn: M, /, **options: Any) -> M: ...
+
+
+@overload
+def safe_compile(fn: F, /, **options: Any) -> F: ...
+
+
+@overload
+def safe_compile(fn: None = None, /, **options: Any) -> Callable[[F], F]: ...
+
+
+def safe_compile(fn: Any = None, /, **options: Any) -> Any:
+    """Guard ``torch.compile`` on a function, a method or an ``nn.Module``.
+
+    Forms: ``@safe_compile``, ``@safe_compile(...)``, ``safe_compile(fn, ...)`` and
+    ``safe_compile(module, ...)`` (the module is guarded in place and returned). Options:
+    ``torch.compile``'s own (``backend``, ``mode``, ``options``, ``dynamic``,
+    ``fullgraph``) and safecompile's (``name``, ``buckets``, ``warmup``, ``shadow``,
+    ``rollback``, ``rollout``, ``tracer_provider``, ``meter_provider``, ``clock``).
+    Bad options raise :class:`ConfigError` now, not on the first call.
+    """
+    config = _Config.build(options)
+    if fn is None:
+        return functools.partial(_guard, config=config)
+    return _guard(fn, config=config)
+
+
+class _Config:
+    """The decorator's options, validated once."""
+
+    __slots__ = (
+        "backend",
+        "buckets",
+        "clock",
+        "dynamic",
+        "fullgraph",
+        "meter_provider",
+        "mode",
+        "name",
+        "options",
+        "rollback",
+        "rollout",
+        "shadow",
+        "tracer_provider",
+        "warmup",
+    )
+
+    _ALLOWED = frozenset(__slots__)
+
+    @classmethod
+    def build(cls, given: dict[str, Any]) -> _Config:
+        unknown = sorted(set(given) - cls._ALLOWED)
+        if unknown:
+            raise ConfigError(
+                f"safe_compile() got unknown option(s) {', '.join(unknown)}; "
+                f"allowed: {', '.join(sorted(cls._ALLOWED))}"
+            )
+        self = cls()
+        self.backend = given.get("backend", "inductor")
+        self.mode = given.get("mode")
+        self.options = given.get("options")
+        self.dynamic = given.get("dynamic")
+        self.fullgraph = given.get("fullgraph", False)
+        validate_compile_options(
+            backend=self.backend,
+            mode=self.mode,
+            options=self.options,
+            dynamic=self.dynamic,
+            fullgraph=self.fullgraph,
+        )
+        self.name = given.get("name")
+        if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
+            raise ConfigError(f"safe_compile(name=...) must be a non-empty string, got {self.name!r}")
+        self.buckets = _policy(given, "buckets", Buckets, None)
+        self.warmup = _policy(given, "warmup", Warmup, None)
+        self.shadow = _policy(given, "shadow", Shadow, _DEFAULT_SHADOW)
+        self.rollback = _policy(given, "rollback", Rollback, _DEFAULT_ROLLBACK)
+        if self.rollback is None:
+            raise ConfigError("safe_compile(rollback=None): give a Rollback(...) or leave it out")
+        self.rollout = given.get("rollout", 1.0)
+        rollout = self.rollout
+        if (
+            isinstance(rollout, bool)
+            or not isinstance(rollout, int | float)
+            or not 0.0 <= rollout <= 1.0
+        ):
+            raise ConfigError(
+                f"safe_compile(rollout=...) must be a fraction from 0.0 to 1.0 of calls to "
+                f"route to the compiled path, got {rollout!r}"
+            )
+        self.clock = given.get("clock", time.monotonic)
+        if not callable(self.clock):
+            raise ConfigError("safe_compile(clock=...) must be a callable returning seconds")
+        self.tracer_provider = given.get("tracer_provider")
+        self.meter_provider = given.get("meter_provider")
+        return self
+
+
+def _policy(given: dict[str, Any], name: str, kind: type, default: Any) -> Any:
+    value = given.get(name, default)
+    if value is not None and not isinstance(value, kind):
+        raise ConfigError(
+            f"safe_compile({name}=...) must be a {kind.__name__}(...) or None, "
+            f"got {type(value).__name__}"
+        )
+    return value
+
+
+def _guard(target: Any, *, config: _Config) -> Any:
+    if isinstance(target, Guarded) or hasattr(target, "safecompile"):
+        raise TypeError(f"{target!r} is already guarded by safe_compile")
+    if isinstance(target, torch.nn.Module):
+        return _guard_module(target, config)
+    if inspect.iscoroutinefunction(target) or inspect.isasyncgenfunction(target):
+        raise TypeError(
+            f"safe_compile cannot guard async function {getattr(target, '__qualname__', target)!r}: "
+            "torch.compile traces synchronous code; guard the synchronous function it awaits"
+        )
+    if inspect.isgeneratorfunction(target):
+        raise TypeError(
+            f"safe_compile cannot guard generator function "
+            f"{getattr(target, '__qualname__', target)!r}: guard the function computing each item"
+        )
+    if isinstance(target, staticmethod | classmethod):
+        raise TypeError(
+            "safe_compile goes below @staticmethod/@classmethod, not above: "
+            "@staticmethod\n@safe_compile\ndef f(...)"
+        )
+    if not callable(target):
+        raise TypeError(f"safe_compile needs a function or an nn.Module, got {type(target).__name__}")
+    name = config.name or f"{target.__module__}.{target.__qualname__}"
+    controller = _controller(name, target, target, config, module=None)
+    guarded = Guarded(controller, target)
+    _start_warmup(controller, config)
+    return guarded
+
+
+def _guard_module(module: M, config: _Config) -> M:
+    cls = type(module)
+    name = config.name or f"{cls.__module__}.{cls.__qualname__}.forward"
+    forward = module.forward  # the bound forward, as the class defines it
+    controller = _controller(name, forward, forward, config, module=module)
+    guarded = Guarded(controller, forward)
+    # Instance attributes: type, parameters, buffers and state_dict() keys stay as they are.
+    object.__setattr__(module, "forward", guarded)
+    object.__setattr__(module, "safecompile", controller)
+    _start_warmup(controller, config)
+    return module
+
+
+def _controller(
+    name: str,
+    fn: Callable[..., Any],
+    signature_of: Callable[..., Any],
+    config: _Config,
+    *,
+    module: torch.nn.Module | None,
+) -> Controller:
+    options = CompileOptions(
+        backend=config.backend,
+        backend_label=backend_name(config.backend),
+        mode=config.mode,
+        options=config.options,
+        dynamic=config.dynamic,
+        fullgraph=config.fullgraph,
+        compiler=build_compiler(
+            config.backend, mode=config.mode, options=config.options, dynamic=config.dynamic
+        ),
+    )
+    sink: Sink = Telemetry(
+        function=name,
+        backend=options.backend_label,
+        tracer_provider=config.tracer_provider,
+        meter_provider=config.meter_provider,
+    )
+    clock: Clock = config.clock
+    return Controller(
+        name=name,
+        fn=fn,
+        key=_shape_key,
+        compile_options=options,
+        shadow=config.shadow,
+        rollback=config.rollback,
+        rollout=float(config.rollout),
+        sink=sink,
+        clock=clock,
+        module=module,
+    )
+
+
+def _start_warmup(controller: Controller, config: _Config) -> None:
+    warmup = config.warmup
+    if warmup is None:
+        return
+    grad = torch.is_grad_enabled()
+
+    def run() -> None:
+        with torch.set_grad_enabled(grad):
+            for example in warmup.resolve():
+                controller.warmup(*example)
+
+    if not warmup.background:
+        run()
+        return
+
+    def run_in_background() -> None:
+        try:
+            run()
+        except Exception as exc:  # noqa: BLE001 - the example inputs' own error: eager serves
+            controller.note_warmup_error(exc)
+
+    threading.Thread(
+        target=run_in_background, name=f"safecompile-warmup:{controller.name}", daemon=True
+    ).start()

@@ -1,0 +1,280 @@
+"""Helpers for your own test suite: assert a function compiles, rehearse rollbacks.
+
+The fault-injecting backends are ordinary ``torch.compile`` backends (callables
+``(gm, example_inputs) -> callable``): hand one to ``safe_compile(backend=...)`` to
+rehearse each rollback path in a test, without a real compiler failure::
+
+    from safecompile.testing import FailingBackend
+
+    guarded = safe_compile(score, backend=FailingBackend())
+    guarded(x)                                  # eager's result, no error
+    assert guarded.safecompile.state == "rolled_back"
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import _pytree as pytree
+
+from ._compare import compare
+from ._shadow import drain
+from ._source import graph_breaks_of
+
+__all__ = [
+    "BlockingBackend",
+    "CompileReport",
+    "DriftingBackend",
+    "FailingBackend",
+    "FakeClock",
+    "RecordingBackend",
+    "RuntimeFailingBackend",
+    "SlowBackend",
+    "assert_compiles",
+    "drain_shadow_checks",
+]
+
+
+class InjectedCompileError(RuntimeError):
+    """Raised by :class:`FailingBackend` while compiling."""
+
+
+class InjectedRuntimeError(RuntimeError):
+    """Raised by :class:`RuntimeFailingBackend` from compiled code."""
+
+
+class RecordingBackend:
+    """Runs graphs as captured (like ``backend="eager"``) and records each one."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+        self.runs = 0
+        self._lock = threading.Lock()
+        self.__name__ = type(self).__name__
+
+    @property
+    def compiles(self) -> int:
+        """Graphs compiled so far."""
+        return len(self.graphs)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        with self._lock:
+            self.graphs.append(gm)
+        inner = self.compile(gm, example_inputs)
+
+        def run(*args: Any) -> Any:
+            with self._lock:
+                self.runs += 1
+            return self.run(inner, args)
+
+        return run
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        """Make the callable for one graph (override to inject faults)."""
+        return gm.forward
+
+    def run(self, inner: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """Run one call of a compiled graph (override to inject faults)."""
+        return inner(*args)
+
+
+class FailingBackend(RecordingBackend):
+    """Raises while compiling: from the ``after + 1``-th graph on (``after=0``: every one)."""
+
+    def __init__(self, *, after: int = 0, error: Callable[[], Exception] | None = None) -> None:
+        super().__init__()
+        self.after = after
+        self._error = error or (lambda: InjectedCompileError("injected compile failure"))
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        if len(self.graphs) > self.after:
+            raise self._error()
+        return gm.forward
+
+
+class RuntimeFailingBackend(RecordingBackend):
+    """Compiles fine; the compiled code raises on its ``on_run``-th run (1-based) and after
+    (or only that once with ``once=True``)."""
+
+    def __init__(
+        self,
+        *,
+        on_run: int = 1,
+        once: bool = False,
+        error: Callable[[], Exception] | None = None,
+    ) -> None:
+        super().__init__()
+        self.on_run = on_run
+        self.once = once
+        self._error = error or (lambda: InjectedRuntimeError("injected runtime failure"))
+
+    def run(self, inner: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        n = self.runs
+        if n == self.on_run or (not self.once and n > self.on_run):
+            raise self._error()
+        return inner(*args)
+
+
+class DriftingBackend(RecordingBackend):
+    """Compiled outputs drift: scaled by ``scale`` (1.01: a 1% shift), optionally a NaN."""
+
+    def __init__(self, *, scale: float = 1.01, nan: bool = False, from_run: int = 1) -> None:
+        super().__init__()
+        self.scale = scale
+        self.nan = nan
+        self.from_run = from_run
+
+    def run(self, inner: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        out = inner(*args)
+        if self.runs < self.from_run:
+            return out
+        return pytree.tree_map_only(torch.Tensor, self._drift, out)
+
+    def _drift(self, t: torch.Tensor) -> torch.Tensor:
+        if not t.is_floating_point():
+            return t
+        drifted = t * self.scale
+        if self.nan and drifted.numel():
+            drifted = drifted.clone()
+            drifted.view(-1)[0] = float("nan")
+        return drifted
+
+
+class SlowBackend(RecordingBackend):
+    """Compiled code takes ``delay`` seconds longer per run (``sleep`` is injectable)."""
+
+    def __init__(
+        self, *, delay: float = 0.001, sleep: Callable[[float], None] = time.sleep
+    ) -> None:
+        super().__init__()
+        self.delay = delay
+        self._sleep = sleep
+
+    def run(self, inner: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        self._sleep(self.delay)
+        return inner(*args)
+
+
+class BlockingBackend(RecordingBackend):
+    """Compiling blocks until :meth:`release` (to test what happens during a long compile)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started = threading.Event()
+        self._release = threading.Event()
+
+    def release(self) -> None:
+        """Let the compile finish."""
+        self._release.set()
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        self.started.set()
+        if not self._release.wait(timeout=60):
+            raise TimeoutError("BlockingBackend was never released")
+        return gm.forward
+
+
+@dataclass
+class FakeClock:
+    """A monotonic clock that moves only when told: ``safe_compile(clock=FakeClock())``."""
+
+    now: float = 0.0
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        """Move time forward."""
+        with self._lock:
+            self.now += seconds
+
+
+@dataclass(frozen=True)
+class CompileReport:
+    """What :func:`assert_compiles` saw."""
+
+    graphs: int
+    graph_breaks: list[dict[str, Any]]
+    max_abs_diff: float
+    max_rel_diff: float
+
+
+def assert_compiles(
+    fn: Callable[..., Any],
+    *args: Any,
+    max_graph_breaks: int = 0,
+    backend: str | Callable[..., Any] = "aot_eager",
+    check_outputs: bool = True,
+    **kwargs: Any,
+) -> CompileReport:
+    """Assert that ``fn(*args, **kwargs)`` compiles with at most ``max_graph_breaks`` breaks.
+
+    Compiles a fresh copy (a guarded function or module is unwrapped first), runs it once,
+    and compares its output with eager's. On failure the ``AssertionError`` lists each
+    graph break with its reason and source line. Returns a :class:`CompileReport`.
+    """
+    target = _unwrap(fn)
+    recorder = _Recorder(backend)
+    compiled = torch.compile(target, backend=recorder, isolate_recompiles=True)
+    try:
+        out = compiled(*args, **kwargs)
+    except Exception as exc:
+        raise AssertionError(
+            f"{_name(target)} failed to compile: {type(exc).__name__}: {exc}"
+        ) from exc
+    breaks = [b for gm in recorder.graphs for b in graph_breaks_of(gm)]
+    if len(breaks) > max_graph_breaks:
+        lines = "\n".join(
+            f"  - {b.get('file')}:{b.get('line')} in {b.get('function')}: {b.get('reason')}"
+            for b in breaks
+        )
+        raise AssertionError(
+            f"{_name(target)} has {len(breaks)} graph break(s), at most {max_graph_breaks} "
+            f"allowed:\n{lines}"
+        )
+    max_abs = max_rel = 0.0
+    if check_outputs:
+        expected = target(*args, **kwargs)
+        result = compare(out, expected)
+        if not result.ok:
+            raise AssertionError(f"{_name(target)} compiled differs from eager: {result.reason}")
+        max_abs, max_rel = result.max_abs, result.max_rel
+    return CompileReport(
+        graphs=len(recorder.graphs),
+        graph_breaks=breaks,
+        max_abs_diff=max_abs,
+        max_rel_diff=max_rel,
+    )
+
+
+def drain_shadow_checks(timeout: float = 30.0) -> None:
+    """Wait until every queued async shadow check has run (``AssertionError`` on timeout)."""
+    if not drain(timeout):
+        raise AssertionError(f"async shadow checks still running after {timeout} s")
+
+
+class _Recorder:
+    def __init__(self, backend: str | Callable[..., Any]) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+        self._inner = torch._dynamo.lookup_backend(backend)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        self.graphs.append(gm)
+        return self._inner(gm, example_inputs)
+
+
+def _unwrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+    controller = getattr(fn, "safecompile", None)
+    if controller is not None:
+        return controller._fn  # type: ignore[no-any-return]
+    return fn
+
+
+def _name(fn: Callable[..., Any]) -> str:
+    return str(getattr(fn, "__qualname__", None) or type(fn).__name__)

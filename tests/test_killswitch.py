@@ -1,0 +1,110 @@
+"""SAFECOMPILE_DISABLE and disable()/enable(): honoured at the next call, no restart."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import safecompile
+from safecompile import ENV_VAR, EventKind, State, safe_compile
+from safecompile._killswitch import parse
+from safecompile.testing import RecordingBackend
+
+
+def inc(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+@pytest.mark.parametrize("value", ["", "0", "false", "no", "off", "OFF", " False "])
+def test_off_words_enable(value: str) -> None:
+    """Unset, empty and the off words leave every callable enabled."""
+    rule = parse(value)
+    assert not rule.matches("anything")
+
+
+@pytest.mark.parametrize("value", ["1", "true", "yes", "on", "all", "*", "TRUE", " on "])
+def test_all_words_disable_everything(value: str) -> None:
+    """The on words disable every guarded callable."""
+    assert parse(value).matches("ranker.score")
+
+
+def test_names_and_globs() -> None:
+    """Anything else is a comma-separated list of names or fnmatch globs."""
+    rule = parse("ranker.*, embed.forward")
+    assert rule.matches("ranker.score")
+    assert rule.matches("embed.forward")
+    assert not rule.matches("embed.backward")
+    assert not rule.matches("other.ranker.score")
+
+
+def test_env_flip_at_runtime_takes_effect_next_call(
+    monkeypatch: pytest.MonkeyPatch, x: torch.Tensor
+) -> None:
+    """Setting the variable in os.environ disables at the next call; unsetting re-enables."""
+    backend = RecordingBackend()
+    g = safe_compile(inc, backend=backend, shadow=None, name="ranker.inc")
+    g(x)
+    assert g.safecompile.state == State.COMPILED
+    monkeypatch.setenv(ENV_VAR, "ranker.*")
+    torch.testing.assert_close(g(x), x + 1)
+    assert g.safecompile.state == State.DISABLED
+    assert g.safecompile.stats().eager_calls == 1
+    assert backend.runs == 1
+    monkeypatch.setenv(ENV_VAR, "other.*")
+    g(x)
+    assert g.safecompile.state == State.COMPILED
+    assert backend.runs == 2
+    kinds = [e.kind for e in g.safecompile.events()]
+    assert kinds.count(EventKind.DISABLED) == 1
+    assert kinds.count(EventKind.ENABLED) == 1
+
+
+def test_disabled_never_calls_torch_compile(
+    monkeypatch: pytest.MonkeyPatch, x: torch.Tensor
+) -> None:
+    """While disabled, nothing is compiled, not even on the first call."""
+    monkeypatch.setenv(ENV_VAR, "1")
+    backend = RecordingBackend()
+    g = safe_compile(inc, backend=backend, shadow=None)
+    for _ in range(3):
+        g(x)
+    assert backend.compiles == 0
+    assert g.safecompile.state == State.DISABLED
+    g.safecompile.warmup(x)
+    assert backend.compiles == 0
+
+
+def test_disable_enable_from_code(x: torch.Tensor) -> None:
+    """safecompile.disable()/enable() do the same from code, by name or for all."""
+    a = safe_compile(inc, backend="eager", shadow=None, name="ranker.a")
+    b = safe_compile(inc, backend="eager", shadow=None, name="embed.b")
+    safecompile.disable("ranker.*")
+    a(x)
+    b(x)
+    assert a.safecompile.state == State.DISABLED
+    assert b.safecompile.state == State.COMPILED
+    safecompile.disable()
+    b(x)
+    assert b.safecompile.state == State.DISABLED
+    safecompile.enable()
+    a(x)
+    b(x)
+    assert a.safecompile.state == State.COMPILED
+    assert b.safecompile.state == State.COMPILED
+
+
+def test_enable_does_not_override_environment(
+    monkeypatch: pytest.MonkeyPatch, x: torch.Tensor
+) -> None:
+    """enable() undoes disable(); the environment variable still applies."""
+    monkeypatch.setenv(ENV_VAR, "all")
+    g = safe_compile(inc, backend="eager", shadow=None)
+    safecompile.enable()
+    g(x)
+    assert g.safecompile.state == State.DISABLED
+
+
+def test_disable_rejects_non_strings() -> None:
+    """disable() takes names or globs as strings."""
+    with pytest.raises(TypeError):
+        safecompile.disable([3])  # type: ignore[list-item]
