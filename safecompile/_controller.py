@@ -195,27 +195,50 @@ class Controller:
         self._refresh_switch()
         sink.observe_calls(self._call_counts)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> None:
+        """A copy of a guarded module is unguarded (see ``_ModuleForward``)."""
+        return None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(None), ())
+
     # ------------------------------------------------------------------ hot path
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """Run one call: compiled when it is safe to, eager otherwise."""
-        if ks.env_token() is not self._sw_token or ks.SWITCH.generation != self._sw_generation:
-            self._refresh_switch()
-        if self._fast:
-            entry = self._entries.get(self._key(args, kwargs))
-            if entry is not None and entry.countdown > 0:
-                entry.countdown -= 1
-                try:
-                    out = self._compiled(*args, **kwargs)
-                except Exception as exc:  # noqa: BLE001 - every compiler failure is answered
-                    failure: Exception = exc
-                else:
-                    with self._lock:
-                        self._compiled_calls += 1
-                        entry.calls += 1
-                    return out
-                return self._recover(failure, entry, args, kwargs)
-        return self._slow(args, kwargs)
+    def entrypoint(self) -> Callable[..., Any]:
+        """The guarded function: one frame that serves compiled when nothing is due.
+
+        A closure rather than a method, so a call costs one Python frame; everything it
+        does not handle itself goes to :meth:`_slow`.
+        """
+        entries = self._entries
+        key = self._key
+        lock = self._lock
+        switch = ks.SWITCH
+        env_token = ks.env_token
+        refresh = self._refresh_switch
+        slow = self._slow
+        recover = self._recover
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if env_token() is not self._sw_token or switch.generation != self._sw_generation:
+                refresh()
+            if self._fast:
+                entry = entries.get(key(args, kwargs))
+                if entry is not None and entry.countdown > 0:
+                    entry.countdown -= 1
+                    try:
+                        out = self._compiled(*args, **kwargs)
+                    except Exception as exc:  # noqa: BLE001 - every compiler failure is answered
+                        failure: Exception = exc
+                    else:
+                        with lock:
+                            self._compiled_calls += 1
+                            entry.calls += 1
+                        return out
+                    return recover(failure, entry, args, kwargs)
+            return slow(args, kwargs)
+
+        return guarded
 
     # ------------------------------------------------------------------ public controller
 
@@ -365,6 +388,12 @@ class Controller:
                 if entry is None:
                     return self._eager(args, kwargs, warmup=warmup)
                 return self._run(entry, args, kwargs, first=True, check=True, warmup=warmup)
+            compiling = self._compiling_thread
+            if compiling is not None and compiling != threading.get_ident():
+                # While this callable compiles, eager serves every call: torch 2.13 can
+                # miss its own cache (and compile again) when a compiled call races an
+                # install of a new graph of the same function.
+                return self._eager(args, kwargs, warmup=warmup)
             if entry.status is not _Status.READY:
                 if entry.why_eager == "recompile_limit" and not warmup:
                     with self._lock:
@@ -399,6 +428,7 @@ class Controller:
                 entry = Entry(label=label, status=_Status.COMPILING)
                 self._entries[key] = entry
                 self._compiling_thread = threading.get_ident()
+                self._update_fast()
                 return entry
         if first_time:
             limit = self._rollback_policy.max_recompiles
@@ -447,6 +477,7 @@ class Controller:
         if first:
             with self._lock:
                 self._compiling_thread = None
+                self._update_fast()
         if failure is not None:
             return self._recover(failure, entry, args, kwargs, graphs=graphs, warmup=warmup)
         if first:
@@ -525,6 +556,7 @@ class Controller:
                     del self._entries[self._key(args, kwargs)]
                 if self._compiling_thread == threading.get_ident():
                     self._compiling_thread = None
+                    self._update_fast()
         user_error: Exception | None = None
         out: Any = None
         try:
@@ -706,7 +738,12 @@ class Controller:
 
     def _update_fast(self) -> None:
         """Recompute the hot path's flag (call with the lock held)."""
-        self._fast = not self._disabled and not self._tripped and self._rollout >= 1.0
+        self._fast = (
+            not self._disabled
+            and not self._tripped
+            and self._rollout >= 1.0
+            and self._compiling_thread is None
+        )
 
     def _pick_compiled(self) -> bool:
         """Staged rollout: route exactly a ``rollout`` share of calls to compiled."""

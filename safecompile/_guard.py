@@ -8,7 +8,7 @@ import threading
 import time
 import types
 from collections.abc import Callable, Hashable
-from typing import Any, TypeVar, overload
+from typing import Any, Protocol, TypeVar, overload, runtime_checkable
 
 import torch
 
@@ -28,28 +28,54 @@ _DEFAULT_ROLLBACK = Rollback()
 _UNSET: Any = object()
 
 
-class Guarded:
-    """A guarded function: call it like the original; ``.safecompile`` controls it."""
+@runtime_checkable
+class Guarded(Protocol):
+    """What ``safe_compile`` returns for a function: call it like the original;
+    ``.safecompile`` is its :class:`~safecompile._controller.Controller`."""
 
     safecompile: Controller
 
-    def __init__(self, controller: Controller, wrapped: Callable[..., Any]) -> None:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+
+def _make_guarded(controller: Controller, wrapped: Callable[..., Any]) -> Guarded:
+    guarded = controller.entrypoint()
+    functools.update_wrapper(guarded, wrapped)
+    guarded.safecompile = controller  # type: ignore[attr-defined]
+    return guarded  # type: ignore[return-value]
+
+
+class _ModuleForward:
+    """A guarded module's ``forward`` (an instance attribute, so the class is untouched).
+
+    A deep copy or a pickle of the module gets its class's plain ``forward`` back: the
+    copy is an ordinary, unguarded module (guard it again if you want).
+    """
+
+    __slots__ = ("__wrapped__", "_call", "safecompile")
+
+    def __init__(self, controller: Controller, forward: Callable[..., Any]) -> None:
+        self._call = controller.entrypoint()
         self.safecompile = controller
-        self._call = controller.__call__
-        functools.update_wrapper(self, wrapped)
+        self.__wrapped__ = forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._call(*args, **kwargs)
 
-    def __get__(self, obj: object, objtype: type | None = None) -> Any:
-        """On a method in a class body: bind like a function does."""
-        if obj is None:
-            return self
-        return types.MethodType(self, obj)
+    def __deepcopy__(self, memo: dict[int, Any]) -> Any:
+        module = self.safecompile._module
+        copy = memo.get(id(module), module)
+        return _plain_forward(copy)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_plain_forward, (self.safecompile._module,))
 
     def __repr__(self) -> str:
-        c = self.safecompile
-        return f"<safe_compile {c.name!r} state={c.state.value}>"
+        return f"<safe_compile forward of {self.safecompile.name!r}>"
+
+
+def _plain_forward(module: torch.nn.Module) -> Callable[..., Any]:
+    return types.MethodType(type(module).forward, module)
 
 
 def _shape_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
@@ -189,7 +215,7 @@ def _policy(given: dict[str, Any], name: str, kind: type, default: Any) -> Any:
 
 
 def _guard(target: Any, *, config: _Config) -> Any:
-    if isinstance(target, Guarded) or hasattr(target, "safecompile"):
+    if getattr(target, "safecompile", None) is not None:
         raise TypeError(f"{target!r} is already guarded by safe_compile")
     if isinstance(target, torch.nn.Module):
         return _guard_module(target, config)
@@ -212,7 +238,7 @@ def _guard(target: Any, *, config: _Config) -> Any:
         raise TypeError(f"safe_compile needs a function or an nn.Module, got {type(target).__name__}")
     name = config.name or f"{target.__module__}.{target.__qualname__}"
     controller = _controller(name, target, target, config, module=None)
-    guarded = Guarded(controller, target)
+    guarded = _make_guarded(controller, target)
     _start_warmup(controller, config)
     return guarded
 
@@ -222,9 +248,8 @@ def _guard_module(module: M, config: _Config) -> M:
     name = config.name or f"{cls.__module__}.{cls.__qualname__}.forward"
     forward = module.forward  # the bound forward, as the class defines it
     controller = _controller(name, forward, forward, config, module=module)
-    guarded = Guarded(controller, forward)
     # Instance attributes: type, parameters, buffers and state_dict() keys stay as they are.
-    object.__setattr__(module, "forward", guarded)
+    object.__setattr__(module, "forward", _ModuleForward(controller, forward))
     object.__setattr__(module, "safecompile", controller)
     _start_warmup(controller, config)
     return module

@@ -168,3 +168,29 @@ def test_stats_are_frozen_snapshots(x: torch.Tensor) -> None:
     assert g.safecompile.stats().calls == 2
     with pytest.raises(AttributeError):
         snap.calls = 5  # type: ignore[misc]
+
+
+def test_deepcopy_and_pickle_of_a_guarded_module_are_plain_modules(x: torch.Tensor) -> None:
+    """A deep copy (EMA, export) or pickle of a guarded module is an unguarded module of
+    the same class, computing with its own weights; it can be guarded again."""
+    import copy
+    import io
+
+    net = safe_compile(Net(), backend="eager", shadow=None)
+    net(x)
+    twin = copy.deepcopy(net)
+    assert type(twin) is Net
+    assert twin.safecompile is None
+    with torch.no_grad():
+        twin.lin.weight.add_(1.0)
+    torch.testing.assert_close(twin(x), Net.forward(twin, x))
+    assert not torch.allclose(twin(x), net(x))
+    assert net.safecompile.stats().calls == 2  # the copy never went through the original's guard
+    buf = io.BytesIO()
+    torch.save(net, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    torch.testing.assert_close(loaded(x), net(x))
+    again = safe_compile(twin, backend="eager", shadow=None)
+    torch.testing.assert_close(again(x), Net.forward(twin, x))
+    assert again.safecompile.stats().calls == 1
