@@ -63,7 +63,7 @@ _RANDOM_MARKERS = (
 
 
 class Clock(Protocol):
-    """Monotonic seconds; injected so tests never sleep."""
+    """Monotonic seconds (default ``time.perf_counter``); injected so tests never sleep."""
 
     def __call__(self) -> float: ...
 
@@ -191,6 +191,7 @@ class Controller:
             on_slower=self._on_slower,
             sink=sink,
             record=self._record,
+            clock=clock,
         )
         self._refresh_switch()
         sink.observe_calls(self._call_counts)
@@ -252,7 +253,7 @@ class Controller:
         ready = [e for e in list(self._entries.values()) if e.status is _Status.READY]
         if not ready:
             return State.WARMING if (self._compiling_thread or self._warming) else State.PENDING
-        if self._shadow_policy is not None and any(e.canary_left > 0 for e in ready):
+        if self.shadow.active and any(e.canary_left > 0 for e in ready):
             return State.CANARY
         return State.COMPILED
 
@@ -462,7 +463,6 @@ class Controller:
         prepared = self.shadow.prepare(args, kwargs) if check else None
         self._tls.graphs = []
         started = self._clock()
-        perf0 = time.perf_counter()
         try:
             out = self._compiled(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - every compiler failure is answered
@@ -471,7 +471,7 @@ class Controller:
             failure = None
         if prepared is not None and failure is None:
             self.shadow.sync_device(out)
-        elapsed = time.perf_counter() - perf0
+        elapsed = self._clock() - started
         graphs: list[dict[str, Any]] = self._tls.graphs
         self._tls.graphs = None
         if first:

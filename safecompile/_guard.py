@@ -196,7 +196,7 @@ class _Config:
                 f"safe_compile(rollout=...) must be a fraction from 0.0 to 1.0 of calls to "
                 f"route to the compiled path, got {rollout!r}"
             )
-        self.clock = given.get("clock", time.monotonic)
+        self.clock = given.get("clock", time.perf_counter)
         if not callable(self.clock):
             raise ConfigError("safe_compile(clock=...) must be a callable returning seconds")
         self.tracer_provider = given.get("tracer_provider")

@@ -94,8 +94,10 @@ class ShadowRunner:
         on_slower: Callable[[str], None],
         sink: Sink,
         record: Callable[[Event], None],
+        clock: Callable[[], float],
     ) -> None:
         self._policy = policy
+        self._clock = clock
         self._rollback = rollback
         self._fn = fn
         self._module = module
@@ -133,6 +135,11 @@ class ShadowRunner:
             self._skip("the module is in training mode")
             return False
         return True
+
+    @property
+    def active(self) -> bool:
+        """Whether checks can happen at all (a policy, and nothing that rules them out)."""
+        return self._policy is not None and self._random_op is None
 
     def mark_random(self, op: str) -> None:
         """The function draws random numbers: compiled RNG differs from eager's."""
@@ -190,18 +197,21 @@ class ShadowRunner:
     ) -> Verdict:
         """Compare ``out`` (compiled) with eager on the prepared inputs."""
         assert self._policy is not None
+        if self._random_op is not None:  # learnt while compiling this very call
+            self._skip(f"the compiled graph draws random numbers ({self._random_op})")
+            return Verdict()
         mutated = [t for t, v in prepared.versions if t._version != v]
         canary = first or entry.canary_left > 0
         if self._policy.mode == "async":
             self._submit(entry, prepared, out, mutated, compiled_s, canary)
             return Verdict()
-        perf0 = time.perf_counter()
+        perf0 = self._clock()
         args, kwargs = prepared.copies
         grad = torch.is_grad_enabled() and _requires_grad(out)
         with torch.set_grad_enabled(grad):
             eager_out = self._fn(*args, **kwargs)
         self.sync_device(eager_out)
-        eager_s = time.perf_counter() - perf0
+        eager_s = self._clock() - perf0
         result = self._compare(out, eager_out, prepared, mutated)
         self._note(entry, result, compiled_s, eager_s, canary)
         if result.ok:
@@ -366,11 +376,11 @@ class ShadowRunner:
     def _run_job(self, job: _Job) -> None:
         try:
             args, kwargs = job.prepared.copies
-            perf0 = time.perf_counter()
+            perf0 = self._clock()
             with torch.no_grad():
                 eager_out = self._fn(*args, **kwargs)
             self.sync_device(eager_out)
-            eager_s = time.perf_counter() - perf0
+            eager_s = self._clock() - perf0
             rtol, atol = self._tolerances()
             result = compare(job.out, eager_out, rtol=rtol, atol=atol)
             if result.ok and job.after:
