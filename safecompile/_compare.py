@@ -1,0 +1,721 @@
+"""Compare a compiled output with eager's reference, whatever its structure.
+
+The verdict on a floating-point tensor is magnitude-aware, never elementwise-relative
+(which is meaningless near zero). With ``d = actual - expected`` over the elements that
+are finite on both sides, a tensor passes when
+
+1. its normalised error ``‖d‖ / ‖expected‖`` is within ``rtol`` (``atol`` adds a floor,
+   for tensors whose values are all close to zero): rounding noise, however it falls
+   on individual elements, stays small against the tensor's own norm;
+2. its scale error, the least-squares factor ``<d, expected> / ‖expected‖²``, is within
+   ``SCALE_SHARE · rtol`` (plus what noise alone can show on a small tensor): rounding
+   is uncorrelated with the values, so a systematic drift such as ``out * 1.01``
+   stands out here long before the norm notices it;
+3. its peak error ``max|d|`` is within ``PEAK_FACTOR · rtol · max|expected| + atol``:
+   a few badly wrong elements, which a norm would average away, still trip.
+
+:func:`verdict` has the exact formulas; ``docs/tolerances.md`` the measurements behind
+the per-dtype defaults. Messages name paths, shapes, dtypes, devices, counts and figures
+of difference, never a value from the user's tensors or objects.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "PEAK_FACTOR",
+    "SCALE_SHARE",
+    "SCALE_SIGMAS",
+    "Comparison",
+    "TensorFigures",
+    "compare",
+    "default_tolerances",
+    "verdict",
+]
+
+SCALE_SHARE = 0.25
+"""A systematic scale error may reach this share of ``rtol`` (see :func:`verdict`)."""
+SCALE_SIGMAS = 1.5
+"""Allowance for the scale error that noise alone shows on small tensors (see :func:`verdict`)."""
+PEAK_FACTOR = 4.0
+"""The peak error may reach this multiple of ``rtol`` (see :func:`verdict`)."""
+
+_MAX_SHOWN_KEYS = 5
+
+# (rtol, atol): rtol bounds the normalised error ‖d‖/‖expected‖ (the scale and peak
+# checks are multiples of it); atol is a floor on the RMS difference that only matters
+# for tensors whose values are all close to zero: small, so that a 1% drift still shows
+# on outputs of RMS down to ~1e-4 (float32: ~1e-6). Low-precision figures are about four
+# unit roundoffs (bf16 2^-8, fp16 and tf32 2^-11, fp8 e4m3 2^-4, e5m2 2^-3);
+# docs/tolerances.md has the measurements behind them.
+_DEFAULTS: dict[torch.dtype, tuple[float, float]] = {
+    torch.float64: (1e-7, 1e-12),
+    torch.float32: (1e-4, 1e-8),
+    torch.float16: (2e-3, 1e-7),
+    torch.bfloat16: (1.6e-2, 1e-7),
+    torch.float8_e4m3fn: (0.25, 1e-4),
+    torch.float8_e4m3fnuz: (0.25, 1e-4),
+    torch.float8_e5m2: (0.5, 1e-4),
+    torch.float8_e5m2fnuz: (0.5, 1e-4),
+}
+_TF32 = (2e-3, 1e-7)
+_COMPLEX_PARTS = {
+    torch.complex128: torch.float64,
+    torch.complex64: torch.float32,
+    torch.complex32: torch.float16,
+}
+# Dtypes whose arithmetic torch supports directly (others are upcast before any math).
+_NATIVE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
+
+
+@dataclass(frozen=True, slots=True)
+class Comparison:
+    """The verdict of :func:`compare`.
+
+    ``max_abs`` is the largest absolute difference over the finite compared elements
+    (0.0 if none); ``max_rel`` the largest normalised error over the leaves (the figure
+    the verdict used, ``inf`` for a NaN/Inf or structure breach); ``reason`` is ``None``
+    when ``ok``, else why, naming the path; ``leaves`` counts the tensors compared.
+    """
+
+    ok: bool
+    max_abs: float
+    max_rel: float
+    reason: str | None
+    leaves: int = 0
+
+
+def default_tolerances(dtype: torch.dtype, *, tf32: bool = False) -> tuple[float, float]:
+    """The default ``(rtol, atol)`` for tensors of ``dtype``.
+
+    ``tf32=True`` gives the looser figures for float32 math done in TF32 (CUDA matmuls or
+    convolutions with TF32 allowed). Complex dtypes take their components' figures;
+    integer and bool dtypes compare exactly, ``(0.0, 0.0)``.
+    """
+    dtype = _COMPLEX_PARTS.get(dtype, dtype)
+    if tf32 and dtype == torch.float32:
+        return _TF32
+    if dtype in _DEFAULTS:
+        return _DEFAULTS[dtype]
+    if not dtype.is_floating_point:
+        return (0.0, 0.0)
+    # An exotic float (e.g. float8_e8m0fnu): a few units in the last place.
+    eps = torch.finfo(dtype).eps
+    return (max(2.0 * eps, 1e-4), 1e-7)
+
+
+def compare(
+    actual: object,
+    expected: object,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+) -> Comparison:
+    """Compare ``actual`` (the compiled output) with ``expected`` (eager's).
+
+    Tensors, tuples, lists, namedtuples, mappings (Hugging Face ``ModelOutput`` too),
+    dataclasses, ``None`` and Python scalars are compared, nested to any depth. A
+    difference in structure, type, keys, length, shape, dtype, device or layout is a
+    breach; so is NaN or Inf where eager is finite (NaN in the same places as eager's,
+    and equal infinities, are not). Integer and bool tensors compare exactly. ``rtol`` /
+    ``atol`` of ``None`` mean the per-dtype defaults (:func:`default_tolerances`): float32
+    takes the TF32 figures where TF32 (or bf16) matmuls are allowed for its device, and a
+    Python float the float32 figures.
+
+    Never raises on odd outputs: what cannot be compared faithfully is a breach with a
+    reason. On CUDA, all per-tensor figures are gathered and read back with one sync.
+    """
+    walk = _Walk(rtol, atol)
+    with torch.no_grad():
+        try:
+            walk.visit(actual, expected, "out")
+        except RecursionError:
+            walk.breach("out", "structure too deep to compare")
+            walk.pending = []
+        except Exception as exc:  # a user object that fails when read: conservative
+            walk.breach("out", f"comparison failed ({type(exc).__name__})")
+            walk.pending = []
+        walk.measure()
+    return walk.result()
+
+
+# --------------------------------------------------------------------------- internals
+
+
+@dataclass(slots=True)
+class _Leaf:
+    """A pair of tensors whose values remain to be compared."""
+
+    order: int
+    path: str
+    actual: torch.Tensor
+    expected: torch.Tensor
+    exact: bool  # integer or bool: compare exactly
+    label: str  # the dtype as shown in messages (e.g. "bfloat16", "float32 (tf32)")
+    rtol: float
+    atol: float
+
+
+class _Walk:
+    """Walks two output structures side by side and collects breaches and figures."""
+
+    def __init__(self, rtol: float | None, atol: float | None) -> None:
+        self.rtol = rtol
+        self.atol = atol
+        self.breaches: list[tuple[int, str]] = []
+        self.pending: list[_Leaf] = []
+        self.order = 0
+        self.leaves = 0
+        self.max_abs = 0.0
+        self.max_rel = 0.0
+
+    # -- verdict bookkeeping
+
+    def breach(
+        self, path: str, why: str, *, order: int | None = None, numeric: bool = False
+    ) -> None:
+        """Record a breach; all but ``numeric`` ones (a figure over tolerance) make
+        ``max_rel`` infinite."""
+        self.breaches.append((self.order if order is None else order, f"{path}: {why}"))
+        if not numeric:
+            self.max_rel = math.inf
+
+    def figures(self, max_abs: float, rel: float) -> None:
+        self.max_abs = max(self.max_abs, max_abs)
+        if rel > self.max_rel or math.isnan(rel):
+            self.max_rel = rel if not math.isnan(rel) else math.inf
+
+    def result(self) -> Comparison:
+        if not self.breaches:
+            return Comparison(True, self.max_abs, self.max_rel, None, self.leaves)
+        self.breaches.sort(key=lambda item: item[0])
+        reason = self.breaches[0][1]
+        if len(self.breaches) > 1:
+            more = len(self.breaches) - 1
+            reason += f" (and {more} more breach{'es' if more > 1 else ''})"
+        return Comparison(False, self.max_abs, self.max_rel, reason, self.leaves)
+
+    # -- structure
+
+    def visit(self, actual: object, expected: object, path: str) -> None:
+        self.order += 1
+        if actual is None or expected is None:
+            if actual is not expected:
+                self.breach(path, f"type {_tname(actual)} != {_tname(expected)}")
+            return
+        if isinstance(actual, torch.Tensor) or isinstance(expected, torch.Tensor):
+            self.tensor(actual, expected, path)
+            return
+        if _is_plain(actual) or _is_plain(expected):
+            self.plain(actual, expected, path)
+            return
+        if type(actual) is not type(expected):
+            self.breach(path, f"type {_tname(actual)} != {_tname(expected)}")
+            return
+        if isinstance(expected, Mapping):
+            assert isinstance(actual, Mapping)
+            self.mapping(actual, expected, path)
+        elif isinstance(expected, tuple) and hasattr(type(expected), "_fields"):
+            assert isinstance(actual, tuple)
+            fields: tuple[object, ...] = type(expected)._fields  # type: ignore[attr-defined]
+            if len(actual) != len(expected):
+                self.breach(path, f"length {len(actual)} != {len(expected)}")
+                return
+            for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+                name = fields[i] if i < len(fields) else None
+                self.visit(a, e, f"{path}.{name}" if isinstance(name, str) else f"{path}[{i}]")
+        elif isinstance(expected, Sequence):
+            assert isinstance(actual, Sequence)
+            if len(actual) != len(expected):
+                self.breach(path, f"length {len(actual)} != {len(expected)}")
+                return
+            for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+                self.visit(a, e, f"{path}[{i}]")
+        elif dataclasses.is_dataclass(expected) and not isinstance(expected, type):
+            for f in dataclasses.fields(expected):
+                self.visit(getattr(actual, f.name), getattr(expected, f.name), f"{path}.{f.name}")
+        else:
+            self.other(actual, expected, path)
+
+    def mapping(
+        self,
+        actual: Mapping[Any, Any],
+        expected: Mapping[Any, Any],
+        path: str,
+        *,
+        attributes: bool = False,
+    ) -> None:
+        """Keys first, then values; ``attributes`` for an object's ``vars()``."""
+        missing = [k for k in expected if k not in actual]
+        extra = [k for k in actual if k not in expected]
+        if missing or extra:
+            what = "attributes" if attributes else "keys"
+            parts = []
+            if missing:
+                parts.append(f"missing {what} {_keys(missing)}")
+            if extra:
+                parts.append(f"unexpected {what} {_keys(extra)}")
+            self.breach(path, ", ".join(parts))
+            return
+        for key, e in expected.items():
+            sub = f"{path}.{key}" if attributes else f"{path}[{_key(key)}]"
+            self.visit(actual[key], e, sub)
+
+    def plain(self, actual: object, expected: object, path: str) -> None:
+        """Python scalars: int/bool/str/bytes exact, float and complex close."""
+        if type(actual) is not type(expected):
+            self.breach(path, f"type {_tname(actual)} != {_tname(expected)}")
+            return
+        if isinstance(expected, numbers.Integral) or not isinstance(expected, numbers.Complex):
+            if actual != expected:
+                self.breach(path, f"{_tname(expected)} values differ")
+            return
+        assert isinstance(actual, numbers.Complex)
+        a, e = complex(actual), complex(expected)
+        a_nan = math.isnan(a.real) or math.isnan(a.imag)
+        e_nan = math.isnan(e.real) or math.isnan(e.imag)
+        if a_nan or e_nan:
+            if a_nan != e_nan:
+                why = "NaN where eager is not NaN" if a_nan else "not NaN where eager is NaN"
+                self.breach(path, why)
+            return
+        if math.isinf(abs(a)) or math.isinf(abs(e)):
+            if a != e:
+                self.breach(path, "infinite value differs from eager's")
+            return
+        rtol, atol = self.tolerances(torch.float32)
+        diff, ref = abs(a - e), abs(e)
+        rel = diff / ref if ref > 0 else (0.0 if diff == 0 else math.inf)
+        self.figures(diff, rel)
+        if diff > atol + rtol * ref:
+            allowed = rtol + atol / ref if ref else atol
+            self.breach(
+                path,
+                f"relative error {_fig(rel)} > tolerance {_fig(allowed)} ({_tname(expected)})",
+                numeric=True,
+            )
+
+    def other(self, actual: object, expected: object, path: str) -> None:
+        """Objects of the same type that are not a known container.
+
+        With an ``__eq__`` of their own, ``==`` decides. Without one (identity
+        equality), two objects compare by their attributes, so that a cache object in
+        a model's output (a Hugging Face ``DynamicCache``, say) compares by its tensors.
+        """
+        if actual is expected:
+            return
+        if type(expected).__eq__ is object.__eq__:
+            a_vars, e_vars = getattr(actual, "__dict__", None), getattr(expected, "__dict__", None)
+            if isinstance(a_vars, dict) and isinstance(e_vars, dict):
+                self.mapping(a_vars, e_vars, path, attributes=True)
+            else:
+                self.breach(path, f"{_tname(expected)} values differ (compared by identity)")
+            return
+        try:
+            equal: object = actual == expected
+        except Exception as exc:
+            self.breach(path, f"cannot compare {_tname(expected)} ({type(exc).__name__})")
+            return
+        if not isinstance(equal, bool):
+            self.breach(path, f"cannot compare {_tname(expected)} (== is not a bool)")
+        elif not equal:
+            self.breach(path, f"{_tname(expected)} values differ")
+
+    # -- tensors
+
+    def tolerances(self, dtype: torch.dtype, *, tf32: bool = False) -> tuple[float, float]:
+        rtol, atol = default_tolerances(dtype, tf32=tf32)
+        return (
+            rtol if self.rtol is None else self.rtol,
+            atol if self.atol is None else self.atol,
+        )
+
+    def tensor(self, actual: object, expected: object, path: str) -> None:
+        if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
+            self.breach(path, f"type {_tname(actual)} != {_tname(expected)}")
+            return
+        self.leaves += 1
+        if _ttype(actual) is not _ttype(expected):
+            self.breach(path, f"type {_tname(actual)} != {_tname(expected)}")
+            return
+        if actual.device != expected.device:
+            self.breach(path, f"device {actual.device} != {expected.device}")
+            return
+        if actual.dtype != expected.dtype:
+            self.breach(path, f"dtype {_dname(actual.dtype)} != {_dname(expected.dtype)}")
+            return
+        if actual.layout != expected.layout:
+            self.breach(path, f"layout {actual.layout} != {expected.layout}")
+            return
+        if actual.is_nested or expected.is_nested:
+            self.breach(path, "nested tensors are not compared")
+            return
+        if actual.shape != expected.shape:
+            self.breach(path, f"shape {_shape(actual)} != {_shape(expected)}")
+            return
+        if actual is expected or actual.device.type == "meta" or actual.numel() == 0:
+            return
+        try:
+            a, e = _dense(actual), _dense(expected)
+        except Exception as exc:
+            self.breach(path, f"cannot compare this tensor ({type(exc).__name__})")
+            return
+        dtype = e.dtype  # after dequantizing
+        if not (dtype.is_floating_point or dtype.is_complex):
+            self.pending.append(_Leaf(self.order, path, a, e, True, _dname(dtype), 0.0, 0.0))
+            return
+        if a.is_complex():
+            a, e = torch.view_as_real(a.resolve_conj()), torch.view_as_real(e.resolve_conj())
+        kind = _fp32_kind(a.device) if a.dtype == torch.float32 else None
+        if kind == "bfloat16":
+            rtol, atol = self.tolerances(torch.bfloat16)
+        else:
+            rtol, atol = self.tolerances(a.dtype, tf32=kind == "tf32")
+        label = _dname(dtype) if kind is None else f"{_dname(dtype)} ({kind})"
+        self.pending.append(_Leaf(self.order, path, a, e, False, label, rtol, atol))
+
+    def measure(self) -> None:
+        """Compute every pending leaf's figures, reading them back once per device."""
+        if not self.pending:
+            return
+        figures: list[torch.Tensor | None] = []
+        for leaf in self.pending:
+            try:
+                figures.append(_exact_figures(leaf) if leaf.exact else _fast_figures(leaf))
+            except Exception as exc:
+                figures.append(None)
+                self.breach(
+                    leaf.path,
+                    f"cannot compare this tensor ({type(exc).__name__})",
+                    order=leaf.order,
+                )
+        values = _read_back(figures)
+        for leaf, got in zip(self.pending, values, strict=True):
+            if got is None:
+                continue
+            try:
+                self.judge(leaf, got)
+            except Exception as exc:
+                self.breach(
+                    leaf.path,
+                    f"cannot compare this tensor ({type(exc).__name__})",
+                    order=leaf.order,
+                )
+        self.pending = []
+
+    def judge(self, leaf: _Leaf, got: list[float]) -> None:
+        path, order, n = leaf.path, leaf.order, leaf.expected.numel()
+        if leaf.exact:
+            wrong = int(got[0])
+            if wrong:
+                self.breach(path, f"{wrong} of {n} elements differ ({leaf.label})", order=order)
+            return
+        d_norm, e_norm, a_norm, d_lo, d_hi, e_lo, e_hi = got
+        d_max, e_max = max(-d_lo, d_hi), max(-e_lo, e_hi)
+        scale = 1.0
+        suspicious = not all(math.isfinite(x) for x in got) or (
+            (d_norm == 0 and d_max > 0) or (e_norm == 0 and e_max > 0)
+        )
+        if suspicious:  # NaN/Inf somewhere, or squares that overflowed or underflowed
+            slow = _slow_figures(leaf)
+            nan_new, nan_lost, inf_bad, n, d_norm, e_norm, a_norm, d_max, e_max, scale = slow
+            if nan_new or nan_lost or inf_bad:
+                if nan_new:
+                    self.breach(
+                        path, f"NaN where eager is not NaN ({_count(nan_new, leaf)})", order=order
+                    )
+                if nan_lost:
+                    self.breach(
+                        path, f"not NaN where eager is NaN ({_count(nan_lost, leaf)})", order=order
+                    )
+                if inf_bad:
+                    self.breach(
+                        path,
+                        f"infinities differ from eager's ({_count(inf_bad, leaf)})",
+                        order=order,
+                    )
+                self.figures(d_max, math.inf)
+                return
+            if n == 0:  # nothing finite: NaNs and infinities all matched
+                return
+        figures = TensorFigures(d_norm, e_norm, a_norm, d_max, e_max, n, scale)
+        rel, why = verdict(figures, leaf.rtol, leaf.atol, leaf.label)
+        self.figures(d_max, rel)
+        if why is not None:
+            self.breach(path, why, order=order, numeric=True)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorFigures:
+    """One tensor's figures, over the elements finite on both sides.
+
+    ``d = actual - expected``. The norms may all be divided by one ``scale`` (which
+    keeps their squares in range); the maxima are true magnitudes.
+    """
+
+    d_norm: float  # ‖d‖
+    e_norm: float  # ‖expected‖
+    a_norm: float  # ‖actual‖
+    d_max: float  # max|d|
+    e_max: float  # max|expected|
+    n: int  # elements compared
+    scale: float = 1.0
+
+    @property
+    def normalised(self) -> float:
+        """``‖d‖ / ‖expected‖``: 0 when both are 0, ``inf`` when only ``expected`` is."""
+        if self.e_norm > 0:
+            return self.d_norm / self.e_norm
+        return 0.0 if self.d_norm == 0 else math.inf
+
+    @property
+    def scale_error(self) -> float:
+        """The least-squares scale error ``<d, expected> / ‖expected‖²`` (0 if undefined).
+
+        ``actual ≈ (1 + s)·expected`` for a multiplicative drift ``s``. Computed from the
+        norms, as ``(‖a‖² - ‖d‖² - ‖e‖²) / 2‖e‖²`` since ``a = d + e``.
+        """
+        e = self.e_norm
+        if e <= 0:
+            return 0.0
+        rel = self.d_norm / e
+        return (self.a_norm - e) * (self.a_norm + e) / (2 * e * e) - rel * rel / 2
+
+    def floor(self, atol: float) -> float:
+        """``atol·√n`` in the units of the norms."""
+        return atol * math.sqrt(self.n) / self.scale
+
+    def scale_allowance(self, rtol: float, atol: float) -> float:
+        """The largest ``|scale_error|`` that passes (see :func:`verdict`)."""
+        if self.e_norm <= 0:
+            return math.inf
+        spread = self.e_max / (self.e_norm * self.scale)  # max|e| / ‖e‖, ~1/√n if flat
+        return (
+            SCALE_SHARE * rtol
+            + SCALE_SIGMAS * self.normalised * spread
+            + self.floor(atol) / self.e_norm
+        )
+
+
+def verdict(
+    f: TensorFigures, rtol: float, atol: float, label: str = ""
+) -> tuple[float, str | None]:
+    """``(normalised error, why the tensor breaches or None)``.
+
+    Three checks, in order, with ``d = actual - expected`` and ``e = expected``:
+
+    1. noise: ``‖d‖ <= rtol·‖e‖ + atol·√n``;
+    2. scale: the least-squares scale error ``s = <d, e> / ‖e‖²`` must satisfy
+       ``|s| <= SCALE_SHARE·rtol + SCALE_SIGMAS·(‖d‖/‖e‖)·(max|e|/‖e‖) + atol·√n/‖e‖``.
+       Rounding noise is uncorrelated with ``e``, so ``s`` stays near 0 for honest
+       differences while a multiplicative drift shows in full; the second term is the
+       scale error that noise alone can show on a small tensor (its standard error is
+       at most ``(‖d‖/‖e‖)·max|e|/‖e‖``);
+    3. peak: ``max|d| <= PEAK_FACTOR·rtol·max|e| + atol``, for a few wrong elements
+       that the norm averages away.
+
+    ``label`` (the dtype, say) is put in the message.
+    """
+    rel = f.normalised
+    tag = f" ({label})" if label else ""
+    more = f"; normalised error {_fig(rel)}"
+    if f.d_norm > rtol * f.e_norm + f.floor(atol):
+        if f.e_norm > 0:
+            allowed = rtol + f.floor(atol) / f.e_norm
+            return rel, f"normalised error {_fig(rel)} > tolerance {_fig(allowed)}{tag}"
+        rms = f.d_norm * f.scale / math.sqrt(f.n)
+        return rel, f"RMS difference {_fig(rms)} > atol {_fig(atol)}{tag}"
+    if f.d_norm > 0:
+        s, allowed = f.scale_error, f.scale_allowance(rtol, atol)
+        if abs(s) > allowed:
+            return rel, (
+                f"scale error {_fig(s)} > tolerance {_fig(allowed)} ({label or 'tensor'}{more})"
+            )
+    if f.d_max > PEAK_FACTOR * rtol * f.e_max + atol:
+        if f.e_max == 0:
+            return rel, f"largest difference {_fig(f.d_max)} > atol {_fig(atol)}{tag}"
+        allowed = PEAK_FACTOR * rtol + atol / f.e_max
+        return rel, (
+            f"peak error {_fig(f.d_max / f.e_max)} of the largest magnitude > tolerance "
+            f"{_fig(allowed)} ({label or 'tensor'}{more})"
+        )
+    return rel, None
+
+
+def _fast_figures(leaf: _Leaf) -> torch.Tensor:
+    """[‖d‖, ‖e‖, ‖a‖, min d, max d, min e, max e] with d = a - e, in the working precision.
+
+    Float32 and float64 take one temporary (``d``); lower precisions are upcast once
+    each (two temporaries, ``d`` made in place). Extremes come from ``aminmax``, several
+    times faster on CPU than an infinity norm. Nothing is read back here.
+    """
+    a, e = leaf.actual, leaf.expected
+    work = torch.float64 if e.dtype == torch.float64 else torch.float32
+    norm = torch.linalg.vector_norm
+    if e.dtype == work:
+        a_norm, e_norm = norm(a), norm(e)
+        e_lo, e_hi = torch.aminmax(e)
+        d = torch.sub(a, e)
+    else:
+        a, e = a.to(work), e.to(work)  # exact upcasts, then one rounding in the subtraction
+        a_norm, e_norm = norm(a), norm(e)
+        e_lo, e_hi = torch.aminmax(e)
+        d = a.sub_(e)  # `a` is our own copy
+    d_lo, d_hi = torch.aminmax(d)
+    return torch.stack([norm(d), e_norm, a_norm, d_lo, d_hi, e_lo, e_hi])
+
+
+def _exact_figures(leaf: _Leaf) -> torch.Tensor:
+    """[number of elements that differ]."""
+    return torch.ne(leaf.actual, leaf.expected).sum().reshape(1)
+
+
+def _read_back(figures: list[torch.Tensor | None]) -> list[list[float] | None]:
+    """Move every leaf's figures to the host: one transfer (one sync) per device."""
+    out: list[list[float] | None] = [None] * len(figures)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, fig in enumerate(figures):
+        if fig is None:
+            continue
+        if fig.device.type == "cpu":  # no sync to save: skip the gathering
+            out[i] = fig.tolist()
+        else:
+            by_device.setdefault(fig.device, []).append(i)
+    for device, indices in by_device.items():
+        wide = torch.float32 if device.type == "mps" else torch.float64
+        parts = [figures[i] for i in indices]
+        flat = torch.cat([p.to(wide) for p in parts if p is not None]).tolist()
+        at = 0
+        for i, part in zip(indices, parts, strict=True):
+            assert part is not None
+            out[i] = flat[at : at + part.numel()]
+            at += part.numel()
+    return out
+
+
+def _slow_figures(
+    leaf: _Leaf,
+) -> tuple[int, int, int, int, float, float, float, float, float, float]:
+    """The careful path, taken only when the fast figures were not all finite.
+
+    Returns the counts of new NaNs, lost NaNs and mismatched infinities, the number of
+    elements finite on both sides, and over those: ‖d‖/s, ‖e‖/s, ‖a‖/s, max|d|, max|e|
+    and s (a scale that keeps the squares in range).
+    """
+    work = torch.float64 if leaf.expected.dtype == torch.float64 else torch.float32
+    a, e = leaf.actual.to(work), leaf.expected.to(work)
+    a_nan, e_nan = torch.isnan(a), torch.isnan(e)
+    inf_bad = ((torch.isinf(a) | torch.isinf(e)) & ~a_nan & ~e_nan & (a != e)).sum()
+    finite = torch.isfinite(a) & torch.isfinite(e)
+    a = torch.where(finite, a, 0.0)
+    e = torch.where(finite, e, 0.0)
+    d = a - e
+    d_max, e_max, a_max = (_abs_max(t) for t in (d, e, a))
+    scale = torch.maximum(torch.maximum(d_max, e_max), a_max).clamp_min(torch.finfo(work).tiny)
+    figures = torch.stack(
+        [
+            (a_nan & ~e_nan).sum().to(work),
+            (e_nan & ~a_nan).sum().to(work),
+            inf_bad.to(work),
+            finite.sum().to(work),
+            torch.linalg.vector_norm(d / scale),
+            torch.linalg.vector_norm(e / scale),
+            torch.linalg.vector_norm(a / scale),
+            d_max,
+            e_max,
+            scale,
+        ]
+    ).tolist()
+    nan_new, nan_lost, inf_bad_n, n = (int(x) for x in figures[:4])
+    d_norm, e_norm, a_norm, dm, em, s = figures[4:]
+    return nan_new, nan_lost, inf_bad_n, n, d_norm, e_norm, a_norm, dm, em, s
+
+
+def _abs_max(t: torch.Tensor) -> torch.Tensor:
+    lo, hi = torch.aminmax(t)
+    return torch.maximum(lo.neg(), hi)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """A strided tensor with the same values (sparse made dense, quantized dequantized)."""
+    if t.is_quantized:
+        return t.dequantize()
+    if t.layout != torch.strided:
+        return t.to_dense()
+    return t
+
+
+def _fp32_kind(device: torch.device) -> str | None:
+    """How float32 matmuls run now: ``None`` (full fp32), ``"tf32"`` or ``"bfloat16"``."""
+    precision = torch.get_float32_matmul_precision()
+    if precision == "medium":
+        return "bfloat16"
+    if precision == "high":
+        return "tf32"
+    if device.type == "cuda" and (
+        torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32
+    ):
+        return "tf32"
+    if device.type == "cpu":
+        mkldnn = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
+        setting = getattr(mkldnn, "fp32_precision", "none")
+        if setting == "bf16":
+            return "bfloat16"
+        if setting == "tf32":
+            return "tf32"
+    return None
+
+
+def _is_plain(value: object) -> bool:
+    return isinstance(value, str | bytes | numbers.Number)
+
+
+def _ttype(t: torch.Tensor) -> type:
+    """The tensor's type, with parameters and buffers counting as plain tensors."""
+    return torch.Tensor if isinstance(t, torch.nn.Parameter) else type(t)
+
+
+def _tname(value: object) -> str:
+    if value is None:
+        return "None"
+    if isinstance(value, torch.Tensor) and _ttype(value) is torch.Tensor:
+        return "Tensor"
+    return type(value).__qualname__.rsplit("<locals>.", 1)[-1]
+
+
+def _dname(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _shape(t: torch.Tensor) -> str:
+    return str(tuple(t.shape))
+
+
+def _count(k: int, leaf: _Leaf) -> str:
+    return f"{k} of {leaf.expected.numel()} elements"
+
+
+def _fig(x: float) -> str:
+    return f"{x:.3g}"
+
+
+def _key(key: object) -> str:
+    """A mapping key as shown in paths: repr for simple keys, the type name otherwise."""
+    if isinstance(key, str | int | bool | float) or key is None:
+        return repr(key)
+    return f"<{type(key).__qualname__}>"
+
+
+def _keys(keys: list[Any]) -> str:
+    shown = ", ".join(_key(k) for k in keys[:_MAX_SHOWN_KEYS])
+    if len(keys) > _MAX_SHOWN_KEYS:
+        shown += f", ... ({len(keys)} in all)"
+    return f"[{shown}]"
