@@ -1,0 +1,498 @@
+"""Map compiler failures back to the user's own source line.
+
+torch reports where a failure happened in different ways depending on its kind (torch 2.13):
+
+- dynamo errors (``Unsupported``, ``UserError``, ``TorchRuntimeError``) carry ``real_stack``
+  (and ``innermost_user_frame_summary`` once dynamo has augmented the message);
+- ``BackendCompilerFailed`` (and inductor's ``InductorError``) carry neither; the failing FX
+  node, where one is known, shows up as an ``fx.Node`` local in the backend's frames and as
+  its ``stack_trace`` text in the inner exception's message (fx ``Interpreter``: "Original
+  traceback:", inductor lowering: "Found from :");
+- an error raised by compiled code at run time arrives unwrapped; its traceback runs through
+  the user's function (at its first line) and into generated code (an FX ``GraphModule``'s
+  ``<eval_with_key>.N`` forward, whose line maps to a node, or inductor's output file);
+- a graph break is known to the backend through ``gm.compile_subgraph_reason`` and, for a
+  break with nothing compiled before it, through the resume function's name in the nodes'
+  ``stack_trace`` (``torch_dynamo_resume_in_<fn>_at_<line>``).
+
+Frames in torch, safecompile and generated code are never reported as the user's.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import linecache
+import os
+import re
+import sysconfig
+import traceback
+import types
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "SourceLocation",
+    "dedupe_graph_breaks",
+    "error_type_name",
+    "graph_breaks_of",
+    "is_generated_file",
+    "is_user_file",
+    "location_of_error",
+    "location_of_function",
+    "redact_tensors",
+    "safe_message",
+    "truncate",
+]
+
+#: Default bound on any message that leaves the process.
+MESSAGE_LIMIT = 512
+
+_MAX_CHAIN = 16  # exceptions followed through __cause__ / __context__
+_MAX_DEF_SCAN = 64  # source lines scanned from a code object's first line to its ``def``
+
+_FRAME_RE = re.compile(r'File "(?P<file>[^"\n]+)", line (?P<line>\d+), in (?P<func>[^\n]+)')
+_RESUME_RE = re.compile(r"^torch_dynamo_resume_in_(?P<func>.+)_at_(?P<line>\d+)$")
+_TENSOR_RE = re.compile(r"\b(?:tensor|Parameter containing:\s*tensor)\(")
+_BOILERPLATE_RE = re.compile(r"^Set TORCHDYNAMO_VERBOSE=1 [^\n]*\n?", re.MULTILINE)
+_IMPLIED_BREAK_REASON = "graph break (reason not reported: nothing was compiled before it)"
+
+
+@dataclass(frozen=True, slots=True)
+class SourceLocation:
+    """A place in the user's source: the file, the line (where known), the function."""
+
+    file: str
+    line: int | None
+    function: str | None
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def _package_dir(name: str) -> str | None:
+    """The directory of an installed top-level package, without importing it."""
+    try:
+        spec = importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return _norm(next(iter(spec.submodule_search_locations)))
+
+
+def _norm(path: str) -> str:
+    return os.path.normcase(os.path.abspath(path))
+
+
+@functools.cache
+def _internal_dirs() -> tuple[str, ...]:
+    dirs = {_norm(os.path.dirname(torch.__file__)), _norm(os.path.dirname(__file__))}
+    for name in ("functorch", "torchgen", "triton"):
+        found = _package_dir(name)
+        if found is not None:
+            dirs.add(found)
+    return tuple(sorted(dirs))
+
+
+@functools.cache
+def _stdlib_dirs() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    return tuple(sorted({_norm(paths[key]) for key in ("stdlib", "platstdlib") if key in paths}))
+
+
+def _under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip(os.sep) + os.sep)
+
+
+def is_generated_file(filename: str) -> bool:
+    """Whether ``filename`` names code that torch generated (FX, inductor, ``exec``)."""
+    if not filename:
+        return True
+    if filename.startswith("<"):
+        return not (filename == "<stdin>" or filename.startswith("<ipython-input-"))
+    path = _norm(filename)
+    parts = path.split(os.sep)
+    if any(part.startswith("torchinductor_") or part == "torch_compile_debug" for part in parts):
+        return True
+    for variable in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        directory = os.environ.get(variable)
+        if directory and _under(path, _norm(directory)):
+            return True
+    return False
+
+
+def is_user_file(filename: str) -> bool:
+    """Whether ``filename`` is the user's own code.
+
+    False for torch (and functorch, torchgen, triton), safecompile itself, the standard
+    library, and generated code: ``<eval_with_key>.N``, ``<string>``, ``<frozen ...>``,
+    inductor's output (``torchinductor_*`` directories, ``TORCHINDUCTOR_CACHE_DIR``).
+    Third-party packages in ``site-packages`` (model code, say) count as the user's.
+    """
+    if is_generated_file(filename):
+        return False
+    path = _norm(filename)
+    if any(_under(path, d) for d in _internal_dirs()):
+        return False
+    for directory in _stdlib_dirs():
+        if _under(path, directory):
+            rest = path[len(directory) :].split(os.sep)
+            if "site-packages" not in rest and "dist-packages" not in rest:
+                return False
+    return True
+
+
+# ---------------------------------------------------------------------------- functions
+
+
+def _plain_function_name(name: str) -> str:
+    """``torch_dynamo_resume_in_f_at_7`` -> ``f`` (dynamo's resume functions)."""
+    for _ in range(_MAX_CHAIN):
+        match = _RESUME_RE.match(name)
+        if match is None:
+            break
+        name = match.group("func")
+    return name
+
+
+def _def_line(code: types.CodeType) -> int:
+    """The line of the ``def`` statement (``co_firstlineno`` is the first decorator's)."""
+    first = code.co_firstlineno
+    name = code.co_name
+    if not name.isidentifier():  # <lambda>, <module>, <genexpr>
+        return first
+    pattern = re.compile(rf"^\s*(?:async\s+)?def\s+{re.escape(name)}\b")
+    lines = linecache.getlines(code.co_filename)
+    for index in range(first - 1, min(len(lines), first - 1 + _MAX_DEF_SCAN)):
+        if pattern.match(lines[index]):
+            return index + 1
+    return first
+
+
+def _unwrap(fn: object) -> object:
+    """Peel wrappers off ``fn`` until a plain function (or something opaque) is left."""
+    for _ in range(_MAX_CHAIN):
+        inner: object = None
+        if getattr(fn, "__wrapped__", None) is not None:  # functools.wraps
+            inner = fn.__wrapped__  # type: ignore[attr-defined]
+        elif isinstance(fn, types.FunctionType):
+            return fn
+        elif isinstance(fn, torch.nn.Module):
+            orig = getattr(fn, "_orig_mod", None)  # torch.compile's OptimizedModule
+            inner = orig if isinstance(orig, torch.nn.Module) else getattr(fn, "forward", None)
+        elif getattr(fn, "_torchdynamo_orig_callable", None) is not None:
+            inner = fn._torchdynamo_orig_callable  # type: ignore[attr-defined]
+        elif isinstance(fn, functools.partial):
+            inner = fn.func
+        elif isinstance(fn, types.MethodType | staticmethod | classmethod):
+            inner = fn.__func__
+        elif callable(fn) and not isinstance(fn, type | types.BuiltinFunctionType):
+            inner = type(fn).__call__
+        if inner is None or inner is fn:
+            return fn
+        fn = inner
+    return fn
+
+
+def location_of_function(fn: object) -> SourceLocation | None:
+    """Where ``fn`` is defined: its file, the line of its ``def``, its qualified name.
+
+    Sees through ``functools.wraps`` wrappers, ``functools.partial``, bound methods,
+    ``torch.compile`` wrappers, ``nn.Module`` (its ``forward``) and callable objects
+    (their ``__call__``). ``None`` for builtins and code not in a user file.
+    """
+    target = _unwrap(fn)
+    code = getattr(target, "__code__", None)
+    if not isinstance(code, types.CodeType) or not is_user_file(code.co_filename):
+        return None
+    name = getattr(target, "__qualname__", None) or code.co_qualname
+    return SourceLocation(code.co_filename, _def_line(code), str(name))
+
+
+# ---------------------------------------------------------------------------- errors
+
+
+def error_type_name(exc: BaseException) -> str:
+    """The exception's qualified type name: ``torch._dynamo.exc.Unsupported``, ``ValueError``."""
+    cls = type(exc)
+    module = cls.__module__
+    if module in ("builtins", "__builtin__", None):
+        return cls.__qualname__
+    return f"{module}.{cls.__qualname__}"
+
+
+def truncate(text: str, limit: int = MESSAGE_LIMIT) -> str:
+    """``text`` cut to at most ``limit`` characters (an ellipsis marks the cut)."""
+    limit = max(limit, 1)
+    if len(text) <= limit:
+        return text
+    return text[: limit - 1] + "\u2026"
+
+
+def redact_tensors(text: str) -> str:
+    """``text`` with every tensor repr (``tensor([...])``) replaced by ``tensor(...)``."""
+    out: list[str] = []
+    pos = 0
+    for match in _TENSOR_RE.finditer(text):
+        if match.start() < pos:
+            continue
+        depth = 1
+        index = match.end()
+        while index < len(text) and depth:
+            if text[index] == "(":
+                depth += 1
+            elif text[index] == ")":
+                depth -= 1
+            index += 1
+        out.append(text[pos : match.start()])
+        out.append("tensor(...)")
+        pos = index
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def safe_message(exc_or_text: BaseException | str, limit: int = MESSAGE_LIMIT) -> str:
+    """A message fit to leave the process: tensor reprs redacted, torch's advice about
+    ``TORCHDYNAMO_VERBOSE`` / ``TORCH_LOGS`` dropped, bounded in length."""
+    text = exc_or_text if isinstance(exc_or_text, str) else str(exc_or_text)
+    text = _BOILERPLATE_RE.sub("", text).strip()
+    return truncate(redact_tensors(text), limit)
+
+
+def _chain(exc: BaseException) -> Iterator[BaseException]:
+    """``exc``, then what caused it (``__cause__``, else ``__context__``), without cycles."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen and len(seen) < _MAX_CHAIN:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _from_summary(frame: traceback.FrameSummary) -> SourceLocation:
+    return SourceLocation(frame.filename, frame.lineno, _plain_function_name(frame.name))
+
+
+def _innermost_user_summary(stack: Iterable[Any]) -> SourceLocation | None:
+    found: SourceLocation | None = None
+    for frame in stack:
+        if isinstance(frame, traceback.FrameSummary) and is_user_file(frame.filename):
+            found = _from_summary(frame)
+    return found
+
+
+def _from_stack_text(text: str) -> SourceLocation | None:
+    """The innermost user frame in formatted traceback text (an FX node's ``stack_trace``)."""
+    found: SourceLocation | None = None
+    for match in _FRAME_RE.finditer(text):
+        if is_user_file(match.group("file")):
+            found = SourceLocation(
+                match.group("file"),
+                int(match.group("line")),
+                _plain_function_name(match.group("func").strip()),
+            )
+    return found
+
+
+def _node_location(node: object) -> SourceLocation | None:
+    if not isinstance(node, torch.fx.Node):
+        return None
+    stack_trace = node.meta.get("stack_trace") if isinstance(node.meta, dict) else None
+    return _from_stack_text(stack_trace) if isinstance(stack_trace, str) else None
+
+
+def _tb_entries(exc: BaseException) -> list[tuple[types.FrameType, int]]:
+    entries = []
+    tb = exc.__traceback__
+    while tb is not None:
+        entries.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    return entries
+
+
+def _graph_module_node(frame: types.FrameType, lineno: int) -> SourceLocation | None:
+    """The user location of the FX node a ``GraphModule.forward`` frame was running."""
+    module = frame.f_locals.get("self")
+    if not isinstance(module, torch.fx.GraphModule):
+        return None
+    codes = [
+        getattr(getattr(owner, "forward", None), "__code__", None)
+        for owner in (type(module), module)
+    ]
+    lineno_map = getattr(module, "_lineno_map", None)
+    if frame.f_code not in codes or not isinstance(lineno_map, dict):
+        return None
+    index = lineno_map.get(lineno - frame.f_code.co_firstlineno)
+    if not isinstance(index, int):
+        return None
+    for position, node in enumerate(module.graph.nodes):
+        if position == index:
+            return _node_location(node)
+    return None
+
+
+def _frame_location(frame: types.FrameType, lineno: int) -> SourceLocation:
+    code = frame.f_code
+    line = _def_line(code) if lineno == code.co_firstlineno else lineno
+    return SourceLocation(code.co_filename, line, _plain_function_name(code.co_qualname))
+
+
+def _backend_node_location(inner: BaseException) -> SourceLocation | None:
+    """Where the FX node a backend failed on came from, when torch lets us know."""
+    for exc in _chain(inner):
+        # fx.Interpreter ("Original traceback:") and inductor lowering ("Found from :")
+        # put the failing node's stack_trace in the message.
+        found = _from_stack_text(str(exc))
+        if found is not None:
+            return found
+        # Otherwise: the innermost frame of the backend's own that holds the node it was
+        # working on (dynamo's frames hold the output node and placeholders: skipped).
+        for frame, _ in reversed(_tb_entries(exc)):
+            if frame.f_code.co_filename.startswith(_dynamo_dir()):
+                continue
+            for name in ("n", "node"):
+                found = _node_location(frame.f_locals.get(name))
+                if found is not None:
+                    return found
+    return None
+
+
+@functools.cache
+def _dynamo_dir() -> str:
+    return os.path.join(os.path.dirname(torch.__file__), "_dynamo") + os.sep
+
+
+def _runtime_order(exc: BaseException) -> list[BaseException]:
+    """Explicit causes first, the root one first (where the failure began), then ``exc``;
+    then what ``exc`` was raised while handling (``__context__``), which is incidental."""
+    causes: list[BaseException] = []
+    current: BaseException | None = exc
+    while current is not None and len(causes) < _MAX_CHAIN and current not in causes:
+        causes.append(current)
+        current = current.__cause__
+    ordered = causes[::-1]
+    ordered.extend(link for link in _chain(exc) if link not in ordered)
+    return ordered
+
+
+def _runtime_location(exc: BaseException) -> tuple[SourceLocation | None, str | None]:
+    """The innermost user frame (or generated FX frame mapped to its node) of a traceback."""
+    generated: str | None = None
+    for link in _runtime_order(exc):
+        entries = _tb_entries(link)
+        # The first entry is the frame that caught the exception (the caller): it is where
+        # the call was made, not where the failure happened, unless it is the only one.
+        candidates = entries[1:] if len(entries) > 1 else entries
+        for frame, lineno in reversed(candidates):
+            filename = frame.f_code.co_filename
+            if is_generated_file(filename):
+                if generated is None:
+                    generated = filename
+                node = _graph_module_node(frame, lineno)
+                if node is not None:
+                    return node, generated
+            elif is_user_file(filename):
+                return _frame_location(frame, lineno), generated
+    return None, generated
+
+
+def location_of_error(exc: BaseException, fn: object) -> tuple[SourceLocation | None, str | None]:
+    """Where in the user's source ``exc`` happened, and the generated file it came through.
+
+    Returns ``(location, generated_file)``; ``location`` falls back to ``fn``'s own
+    definition when torch gives nothing better (``None`` only if ``fn`` has no source),
+    ``generated_file`` is ``None`` unless generated code was on the failing stack.
+    """
+    for link in _chain(exc):
+        real_stack = getattr(link, "real_stack", None)  # dynamo errors
+        if real_stack:
+            found = _innermost_user_summary(real_stack)
+            if found is not None:
+                return found, None
+        summary = getattr(link, "innermost_user_frame_summary", None)
+        if isinstance(summary, traceback.FrameSummary) and is_user_file(summary.filename):
+            return _from_summary(summary), None
+        inner = getattr(link, "inner_exception", None)
+        if isinstance(inner, BaseException):  # BackendCompilerFailed / InductorError
+            found = _backend_node_location(inner)
+            if found is None:
+                for nested in _chain(inner):
+                    stack = getattr(nested, "real_stack", None)
+                    found = _innermost_user_summary(stack) if stack else None
+                    if found is not None:
+                        break
+            return found or location_of_function(fn), None
+    found, generated = _runtime_location(exc)
+    return found or location_of_function(fn), generated
+
+
+# ---------------------------------------------------------------------------- graph breaks
+
+
+def _break(reason: str, location: SourceLocation | None) -> dict[str, object]:
+    return {
+        "reason": safe_message(reason),
+        "file": location.file if location else None,
+        "line": location.line if location else None,
+        "function": location.function if location else None,
+    }
+
+
+def graph_breaks_of(
+    gm: torch.fx.GraphModule, *, include_resumed: bool = False
+) -> list[dict[str, object]]:
+    """The graph breaks a graph handed to a backend tells of.
+
+    Each is ``{"reason", "file", "line", "function"}``. By default only the break that
+    ended this graph (``gm.compile_subgraph_reason``, at ``user_stack[-1]``), so summing
+    over graphs counts each break once. ``include_resumed=True`` adds the break this graph
+    resumes after (dynamo's ``torch_dynamo_resume_in_<fn>_at_<line>`` in the nodes'
+    ``stack_trace``): the only trace of a break with nothing compiled before it (a
+    ``print`` on a function's first line), its reason unknown. A break seen from both
+    sides is then listed twice: merge a compile's lists with :func:`dedupe_graph_breaks`.
+    """
+    out: list[dict[str, object]] = []
+    reason = getattr(gm, "compile_subgraph_reason", None)
+    if reason is not None and getattr(reason, "graph_break", False):
+        stack = list(getattr(reason, "user_stack", None) or ())
+        location = _innermost_user_summary(stack)
+        if location is None and stack and isinstance(stack[-1], traceback.FrameSummary):
+            location = _from_summary(stack[-1])
+        out.append(_break(str(getattr(reason, "reason", "")), location))
+    if not include_resumed:
+        return out
+    seen: set[tuple[str, int]] = set()
+    for node in gm.graph.nodes:
+        stack_trace = node.meta.get("stack_trace")
+        if not isinstance(stack_trace, str) or "torch_dynamo_resume_in_" not in stack_trace:
+            continue
+        for match in _FRAME_RE.finditer(stack_trace):
+            resume = _RESUME_RE.match(match.group("func").strip())
+            if resume is None or not is_user_file(match.group("file")):
+                continue
+            key = (match.group("file"), int(resume.group("line")))
+            if key not in seen:
+                seen.add(key)
+                location = SourceLocation(
+                    key[0], key[1], _plain_function_name(resume.group("func"))
+                )
+                out.append(_break(_IMPLIED_BREAK_REASON, location))
+    return out
+
+
+def dedupe_graph_breaks(breaks: Iterable[dict[str, object]]) -> list[dict[str, object]]:
+    """One entry per break location, keeping a known reason over an unknown one."""
+    merged: dict[tuple[object, object], dict[str, object]] = {}
+    for entry in breaks:
+        key = (entry.get("file"), entry.get("line"))
+        if key == (None, None):
+            merged[(id(entry), None)] = entry
+            continue
+        previous = merged.get(key)
+        if previous is None or previous.get("reason") == _IMPLIED_BREAK_REASON:
+            merged[key] = entry
+    return list(merged.values())

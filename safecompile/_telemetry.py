@@ -1,0 +1,631 @@
+"""OpenTelemetry traces and metrics, and structlog events, for one guarded callable.
+
+Names are fixed by API.md §4. One frozen :class:`~safecompile.Event` feeds every sink:
+
+- ``compiled`` / ``compile_failed``: a ``safecompile.compile`` span (made after the fact
+  from the event's end time and duration) with one ``safecompile.graph_break`` event per
+  break, and the ``safecompile.compile.duration`` histogram;
+- ``rollback``: a ``safecompile.rollback`` span and the ``safecompile.rollbacks`` counter;
+- every event: one structlog event ``safecompile.<kind>``.
+
+Shadow checks feed ``safecompile.shadow.checks`` and ``safecompile.drift`` (and a
+``safecompile.shadow_check`` span for canary checks and breaches); call counts are read
+by an observable counter, ``safecompile.calls``, only when a metric reader collects.
+No span per call. Nothing here ever raises into the caller: a failure is reported once
+through the ``safecompile`` stdlib logger and otherwise ignored.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import math
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ParamSpec, TypeVar
+
+from opentelemetry import metrics, trace
+from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from ._log import log_event, report_internal_error
+from ._model import Event, EventKind, Reason
+from ._source import safe_message
+from ._version import __version__
+
+__all__ = ["SCHEMA_URL", "Telemetry", "configure"]
+
+#: The semantic-conventions schema whose names are used (``code.file.path``, ``error.type``).
+SCHEMA_URL = "https://opentelemetry.io/schemas/1.37.0"
+_SCOPE = "safecompile"
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+_COMPILE_KINDS = frozenset({EventKind.COMPILED, EventKind.COMPILE_FAILED})
+_ERROR_REASONS = frozenset({Reason.COMPILE_ERROR, Reason.RUNTIME_ERROR, Reason.DRIFT})
+_WARNING_KINDS = frozenset(
+    {
+        EventKind.COMPILE_FAILED,
+        EventKind.ROLLBACK,
+        EventKind.BREACH,
+        EventKind.BUCKET_REJECTED,
+        EventKind.RECOMPILE_LIMIT,
+        EventKind.SHADOW_SKIPPED,
+    }
+)
+_DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 300.0)
+_DRIFT_BUCKETS = (0.0, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
+
+
+def _never_raises(where: str) -> Callable[[Callable[_P, None]], Callable[_P, None]]:
+    def decorate(fn: Callable[_P, None]) -> Callable[_P, None]:
+        @functools.wraps(fn)
+        def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> None:
+            try:
+                fn(*args, **kwargs)
+            except Exception as exc:  # telemetry never breaks a call
+                report_internal_error(where, exc)
+
+        return wrapper
+
+    return decorate
+
+
+# ---------------------------------------------------------------------------- configuration
+
+
+class _Defaults:
+    """Process-wide providers set by :func:`configure` (``None``: OpenTelemetry's globals)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.tracer_provider: trace.TracerProvider | None = None
+        self.meter_provider: metrics.MeterProvider | None = None
+        self.generation = 0
+
+
+_defaults = _Defaults()
+
+
+def configure(
+    *,
+    tracer_provider: trace.TracerProvider | None = None,
+    meter_provider: metrics.MeterProvider | None = None,
+) -> None:
+    """Set the providers safecompile uses where a decorator passes none.
+
+    ``None`` (the default) means OpenTelemetry's global providers. Takes effect for every
+    guarded callable, including those decorated earlier. OpenTelemetry's own global
+    providers are never set.
+    """
+    with _defaults.lock:
+        _defaults.tracer_provider = tracer_provider
+        _defaults.meter_provider = meter_provider
+        _defaults.generation += 1
+
+
+# ---------------------------------------------------------------------------- instruments
+
+_GLOBAL = object()  # the key of OpenTelemetry's global providers
+
+
+class _Instruments:
+    """The metric instruments on one meter; one per meter provider, shared by callables."""
+
+    def __init__(self, meter: metrics.Meter) -> None:
+        self.rollbacks = meter.create_counter(
+            "safecompile.rollbacks", unit="{rollback}", description="Trips to eager."
+        )
+        self.compile_duration = meter.create_histogram(
+            "safecompile.compile.duration",
+            unit="s",
+            description="Time spent compiling a shape or bucket.",
+            explicit_bucket_boundaries_advisory=_DURATION_BUCKETS,
+        )
+        self.shadow_checks = meter.create_counter(
+            "safecompile.shadow.checks",
+            unit="{check}",
+            description="Compiled outputs compared with eager.",
+        )
+        self.drift = meter.create_histogram(
+            "safecompile.drift",
+            unit="1",
+            description="Largest relative difference from eager found by a shadow check.",
+            explicit_bucket_boundaries_advisory=_DRIFT_BUCKETS,
+        )
+        self.retired: dict[str, list[int]] = {}  # counts of callables gone, per function
+        self.calls = meter.create_observable_counter(
+            "safecompile.calls",
+            callbacks=[self._observe_calls],
+            unit="{call}",
+            description="Calls of guarded callables, by the path that served them.",
+        )
+
+    def _observe_calls(self, options: CallbackOptions) -> Iterable[Observation]:
+        try:
+            return self._observations()
+        except Exception as exc:  # a metric reader must never see ours
+            report_internal_error("safecompile.calls", exc)
+            return []
+
+    def _observations(self) -> list[Observation]:
+        totals: dict[str, list[int]] = {}
+        for entry in _calls_registry.entries():
+            counts = entry.read(self)
+            if counts is not None:
+                total = totals.setdefault(entry.function, [0, 0])
+                total[0] += counts[0]
+                total[1] += counts[1]
+        for function, (compiled, eager) in list(self.retired.items()):
+            total = totals.setdefault(function, [0, 0])
+            total[0] += compiled
+            total[1] += eager
+        out = []
+        for function, (compiled, eager) in totals.items():
+            out.append(
+                Observation(
+                    compiled, {"safecompile.function": function, "safecompile.path": "compiled"}
+                )
+            )
+            out.append(
+                Observation(eager, {"safecompile.function": function, "safecompile.path": "eager"})
+            )
+        return out
+
+
+class _InstrumentCache:
+    """Instruments per meter provider (an SDK meter ignores a second callback on a name)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._weak: weakref.WeakKeyDictionary[Any, _Instruments] = weakref.WeakKeyDictionary()
+        self._strong: dict[int, tuple[Any, _Instruments]] = {}
+
+    def get(self, provider: metrics.MeterProvider | None) -> _Instruments:
+        key: Any = _GLOBAL if provider is None else provider
+        with self._lock:
+            found = self._lookup(key)
+            if found is not None:
+                return found
+            meter = metrics.get_meter(_SCOPE, __version__, provider, schema_url=SCHEMA_URL)
+            instruments = _Instruments(meter)
+            try:
+                self._weak[key] = instruments
+            except TypeError:  # not weakly referenceable: kept for the process's life
+                self._strong[id(key)] = (key, instruments)
+            return instruments
+
+    def _lookup(self, key: Any) -> _Instruments | None:
+        try:
+            found = self._weak.get(key)
+        except TypeError:
+            found = None
+        if found is None and id(key) in self._strong:
+            found = self._strong[id(key)][1]
+        return found
+
+
+_instrument_cache = _InstrumentCache()
+
+
+class _CallsEntry:
+    """One guarded callable's call counts source, held weakly."""
+
+    __slots__ = ("__weakref__", "function", "last", "last_instruments", "owner", "source")
+
+    def __init__(self, telemetry: Telemetry, source: Callable[[], tuple[int, int]]) -> None:
+        self_ref = weakref.ref(self)
+
+        def dead(_: object) -> None:
+            _calls_registry.mark_dead(self_ref)
+
+        self.function = telemetry.function
+        self.owner = weakref.ref(telemetry, dead)
+        self.source: weakref.ref[Callable[[], tuple[int, int]]]
+        if inspect.ismethod(source):
+            self.source = weakref.WeakMethod(source, dead)
+        else:
+            self.source = weakref.ref(source, dead)
+        self.last = (0, 0)
+        self.last_instruments: _Instruments | None = None
+
+    def alive(self) -> bool:
+        return self.owner() is not None and self.source() is not None
+
+    def read(self, instruments: _Instruments) -> tuple[int, int] | None:
+        """This source's counts if it reports to ``instruments`` now; ``None`` otherwise."""
+        owner = self.owner()
+        source = self.source()
+        if owner is None or source is None or owner._instruments() is not instruments:
+            return None
+        try:
+            compiled, eager = source()
+            self.last = (int(compiled), int(eager))
+        except Exception as exc:  # keep the last counts
+            report_internal_error("safecompile.calls source", exc)
+        self.last_instruments = instruments
+        return self.last
+
+    def retire(self) -> None:
+        """Fold the last counts into the totals, so the counter never goes down."""
+        instruments = self.last_instruments
+        if instruments is not None and self.last != (0, 0):
+            total = instruments.retired.setdefault(self.function, [0, 0])
+            total[0] += self.last[0]
+            total[1] += self.last[1]
+
+
+class _CallsRegistry:
+    """Every live call-count source; dead ones are retired on the next read or register."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: set[_CallsEntry] = set()
+        self._dead: list[weakref.ref[_CallsEntry]] = []
+
+    def add(self, entry: _CallsEntry) -> None:
+        with self._lock:
+            self._drain()
+            self._entries.add(entry)
+
+    def remove(self, entry: _CallsEntry) -> None:
+        with self._lock:
+            if entry in self._entries:
+                self._entries.discard(entry)
+                entry.retire()
+
+    def mark_dead(self, entry: weakref.ref[_CallsEntry]) -> None:
+        # Runs from a weakref callback (possibly inside gc, while another thread holds the
+        # lock): only append, which is atomic; the entry is retired under the lock later.
+        self._dead.append(entry)
+
+    def entries(self) -> list[_CallsEntry]:
+        with self._lock:
+            self._drain()
+            return list(self._entries)
+
+    def _drain(self) -> None:
+        while self._dead:
+            entry = self._dead.pop()()
+            if entry is not None and entry in self._entries and not entry.alive():
+                self._entries.discard(entry)
+                entry.retire()
+
+
+_calls_registry = _CallsRegistry()
+
+
+# ---------------------------------------------------------------------------- telemetry
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+def _backend_label(backend: object) -> str:
+    if isinstance(backend, str):
+        return backend
+    name = getattr(backend, "__name__", None) or type(backend).__name__
+    return str(name)
+
+
+def _code_attributes(file: str | None, line: int | None, function: str | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if file:
+        out["code.file.path"] = file
+    if line is not None:
+        out["code.line.number"] = int(line)
+    if function:
+        out["code.function.name"] = function
+    return out
+
+
+class Telemetry:
+    """Traces, metrics and logs for one guarded callable.
+
+    ``function`` is its stable name (``safecompile.function`` on every span and metric),
+    ``backend`` the backend's name (or the backend callable). Providers default to those
+    set by :func:`configure`, then to OpenTelemetry's globals; they are looked up again
+    after each ``configure()``.
+    """
+
+    def __init__(
+        self,
+        *,
+        function: str,
+        backend: object = "inductor",
+        tracer_provider: trace.TracerProvider | None = None,
+        meter_provider: metrics.MeterProvider | None = None,
+    ) -> None:
+        self.function = function
+        self.backend = _backend_label(backend)
+        self._tracer_provider = tracer_provider
+        self._meter_provider = meter_provider
+        # (configure() generation, tracer) and (generation, instruments): each replaced
+        # whole, so the metric reader's thread never sees a half-updated pair, and each
+        # resolved on its own, so a broken meter provider does not cost the spans (nor a
+        # broken tracer provider the metrics).
+        self._tracer_for: tuple[int, trace.Tracer] | None = None
+        self._instruments_for: tuple[int, _Instruments] | None = None
+        self._calls: _CallsEntry | None = None
+
+    # ------------------------------------------------------------------ providers
+
+    def _providers(self) -> tuple[int, trace.TracerProvider | None, metrics.MeterProvider | None]:
+        with _defaults.lock:
+            return (
+                _defaults.generation,
+                self._tracer_provider or _defaults.tracer_provider,
+                self._meter_provider or _defaults.meter_provider,
+            )
+
+    def _tracer(self) -> trace.Tracer:
+        cached = self._tracer_for
+        if cached is not None and cached[0] == _defaults.generation:
+            return cached[1]
+        generation, provider, _ = self._providers()
+        tracer = trace.get_tracer(_SCOPE, __version__, provider, schema_url=SCHEMA_URL)
+        self._tracer_for = (generation, tracer)
+        return tracer
+
+    def _instruments(self) -> _Instruments:
+        cached = self._instruments_for
+        if cached is not None and cached[0] == _defaults.generation:
+            return cached[1]
+        generation, _, provider = self._providers()
+        instruments = _instrument_cache.get(provider)
+        self._instruments_for = (generation, instruments)
+        return instruments
+
+    # ------------------------------------------------------------------ events
+
+    @_never_raises("Telemetry.event")
+    def event(self, ev: Event) -> None:
+        """Send one event to every sink: span and metrics where its kind has them, a log."""
+        span: trace.Span | None = None
+        if ev.kind in _COMPILE_KINDS:
+            span = self._guarded("safecompile.compile span", self._compile_span, ev)
+            self._guarded("safecompile.compile.duration", self._compile_metric, ev)
+        elif ev.kind is EventKind.ROLLBACK:
+            span = self._guarded("safecompile.rollback span", self._rollback_span, ev)
+            self._guarded("safecompile.rollbacks", self._rollback_metric, ev)
+        self._guarded("log", self._log, ev, span)
+
+    def _guarded(self, where: str, fn: Callable[..., _R], *args: Any) -> _R | None:
+        try:
+            return fn(*args)
+        except Exception as exc:  # one sink failing leaves the others
+            report_internal_error(where, exc)
+            return None
+
+    def _base_attributes(self) -> dict[str, Any]:
+        return {"safecompile.function": self.function}
+
+    def _error_details(self, span: trace.Span, ev: Event, end_ns: int) -> None:
+        """Status ERROR, ``error.type`` and an ``exception`` event (no stack: no values)."""
+        message = safe_message(ev.message) if ev.message else None
+        span.set_status(Status(StatusCode.ERROR, message or ev.error_type or None))
+        if ev.error_type:
+            span.set_attribute("error.type", ev.error_type)
+            exception: dict[str, Any] = {"exception.type": ev.error_type}
+            if message:
+                exception["exception.message"] = message
+            span.add_event("exception", exception, timestamp=end_ns)
+
+    def _compile_span(self, ev: Event) -> trace.Span:
+        end_ns = _ns(ev.time) if ev.time > 0 else time.time_ns()
+        start_ns = end_ns - _ns(max(ev.duration_s or 0.0, 0.0))
+        span = self._tracer().start_span(
+            "safecompile.compile", kind=SpanKind.INTERNAL, start_time=start_ns
+        )
+        try:
+            if span.is_recording():
+                attributes = self._base_attributes()
+                attributes["safecompile.backend"] = self.backend
+                if ev.bucket is not None:
+                    attributes["safecompile.bucket"] = ev.bucket
+                attributes.update(_code_attributes(ev.file, ev.line, ev.function))
+                generated = ev.details.get("generated_file")
+                if isinstance(generated, str):
+                    attributes["safecompile.generated.file"] = generated
+                graphs = ev.details.get("graphs")
+                if isinstance(graphs, int):
+                    attributes["safecompile.graphs"] = graphs
+                breaks = ev.details.get("graph_breaks") or ()
+                attributes["safecompile.graph_breaks"] = len(breaks)
+                span.set_attributes(attributes)
+                for entry in breaks:
+                    span.add_event(
+                        "safecompile.graph_break", _break_attributes(entry), timestamp=end_ns
+                    )
+                if ev.kind is EventKind.COMPILE_FAILED:
+                    self._error_details(span, ev, end_ns)
+        finally:
+            span.end(end_time=end_ns)
+        return span
+
+    def _compile_metric(self, ev: Event) -> None:
+        if ev.duration_s is None or not math.isfinite(ev.duration_s):
+            return
+        attributes = self._base_attributes()
+        if ev.kind is EventKind.COMPILE_FAILED:
+            attributes["error.type"] = ev.error_type or "_OTHER"
+        self._instruments().compile_duration.record(max(ev.duration_s, 0.0), attributes)
+
+    def _rollback_span(self, ev: Event) -> trace.Span:
+        end_ns = _ns(ev.time) if ev.time > 0 else time.time_ns()
+        span = self._tracer().start_span(
+            "safecompile.rollback", kind=SpanKind.INTERNAL, start_time=end_ns
+        )
+        try:
+            if span.is_recording():
+                attributes = self._base_attributes()
+                attributes["safecompile.backend"] = self.backend
+                if ev.reason is not None:
+                    attributes["safecompile.reason"] = ev.reason.value
+                if ev.bucket is not None:
+                    attributes["safecompile.bucket"] = ev.bucket
+                if ev.max_abs_diff is not None:
+                    attributes["safecompile.drift.max_abs"] = float(ev.max_abs_diff)
+                if ev.max_rel_diff is not None:
+                    attributes["safecompile.drift.max_rel"] = float(ev.max_rel_diff)
+                attributes.update(_code_attributes(ev.file, ev.line, ev.function))
+                generated = ev.details.get("generated_file")
+                if isinstance(generated, str):
+                    attributes["safecompile.generated.file"] = generated
+                span.set_attributes(attributes)
+                if ev.error_type or ev.reason in _ERROR_REASONS:
+                    self._error_details(span, ev, end_ns)
+        finally:
+            span.end(end_time=end_ns)
+        return span
+
+    def _rollback_metric(self, ev: Event) -> None:
+        attributes = self._base_attributes()
+        attributes["safecompile.reason"] = ev.reason.value if ev.reason else "unknown"
+        self._instruments().rollbacks.add(1, attributes)
+
+    def _log(self, ev: Event, span: trace.Span | None) -> None:
+        level = logging.WARNING if ev.kind in _WARNING_KINDS else logging.INFO
+        valid_span = span if span is not None and span.get_span_context().is_valid else None
+        log_event(
+            f"safecompile.{ev.kind.value}", level=level, span=valid_span, **_log_fields(self, ev)
+        )
+
+    # ------------------------------------------------------------------ shadow checks
+
+    @_never_raises("Telemetry.shadow_check")
+    def shadow_check(
+        self,
+        *,
+        passed: bool,
+        max_abs: float,
+        max_rel: float,
+        bucket: str | None = None,
+        log_span: bool = False,
+    ) -> None:
+        """Count one shadow check; a span for canary checks (``log_span``) and breaches.
+
+        A non-finite ``max_rel`` (NaN, inf: the compiled output was not finite) is counted
+        but not recorded in the ``safecompile.drift`` histogram, whose sum it would spoil.
+        """
+        result = "pass" if passed else "breach"
+        self._guarded("safecompile.shadow.checks", self._shadow_metrics, result, max_rel)
+        if log_span or not passed:
+            self._guarded(
+                "safecompile.shadow_check span",
+                self._shadow_span,
+                result,
+                max_abs,
+                max_rel,
+                bucket,
+            )
+
+    def _shadow_metrics(self, result: str, max_rel: float) -> None:
+        instruments = self._instruments()
+        attributes = self._base_attributes()
+        instruments.shadow_checks.add(1, {**attributes, "safecompile.result": result})
+        if math.isfinite(max_rel):
+            instruments.drift.record(max(float(max_rel), 0.0), attributes)
+
+    def _shadow_span(self, result: str, max_abs: float, max_rel: float, bucket: str | None) -> None:
+        now = time.time_ns()
+        span = self._tracer().start_span(
+            "safecompile.shadow_check", kind=SpanKind.INTERNAL, start_time=now
+        )
+        try:
+            if span.is_recording():
+                attributes = self._base_attributes()
+                attributes["safecompile.result"] = result
+                attributes["safecompile.drift.max_abs"] = float(max_abs)
+                attributes["safecompile.drift.max_rel"] = float(max_rel)
+                if bucket is not None:
+                    attributes["safecompile.bucket"] = bucket
+                span.set_attributes(attributes)
+                if result == "breach":
+                    span.set_status(Status(StatusCode.ERROR, "compiled output drifted from eager"))
+        finally:
+            span.end(end_time=now)
+
+    # ------------------------------------------------------------------ call counts
+
+    @_never_raises("Telemetry.observe_calls")
+    def observe_calls(self, source: Callable[[], tuple[int, int]]) -> None:
+        """Report ``source()`` = ``(compiled_calls, eager_calls)`` as ``safecompile.calls``.
+
+        Read only when a metric reader collects: nothing on the call path. ``source`` is
+        held weakly (a bound method through ``weakref.WeakMethod``): when it, or this
+        ``Telemetry``, is garbage collected, its counts stop being read (the last counts
+        read stay in the totals, so the counter never goes down). Pass a bound method of
+        the object whose life bounds the callable's; a lambda would vanish at once. A
+        second call replaces the first source.
+        """
+        self.close()
+        entry = _CallsEntry(self, source)
+        self._calls = entry
+        self._instruments()  # make sure the observable counter exists on this meter
+        _calls_registry.add(entry)
+
+    def close(self) -> None:
+        """Stop reporting call counts (the last counts read stay in the totals)."""
+        entry, self._calls = self._calls, None
+        if entry is not None:
+            _calls_registry.remove(entry)
+
+
+def _break_attributes(entry: object) -> dict[str, Any]:
+    if not isinstance(entry, Mapping):
+        return {"safecompile.graph_break.reason": safe_message(str(entry))}
+    attributes: dict[str, Any] = {
+        "safecompile.graph_break.reason": safe_message(str(entry.get("reason") or "unknown"))
+    }
+    line = entry.get("line")
+    attributes.update(
+        _code_attributes(
+            str(entry["file"]) if entry.get("file") else None,
+            line if isinstance(line, int) else None,
+            str(entry["function"]) if entry.get("function") else None,
+        )
+    )
+    return attributes
+
+
+_SCALARS = (str, int, float, bool)
+
+
+def _log_fields(telemetry: Telemetry, ev: Event) -> dict[str, Any]:
+    """The event as log fields: names, figures and source locations only."""
+    fields: dict[str, Any] = {"function": telemetry.function, "backend": telemetry.backend}
+    if ev.reason is not None:
+        fields["reason"] = ev.reason.value
+    if ev.bucket is not None:
+        fields["bucket"] = ev.bucket
+    if ev.error_type is not None:
+        fields["error_type"] = ev.error_type
+    if ev.message:
+        fields["description"] = safe_message(ev.message)
+    if ev.file is not None:
+        fields["code_file"] = ev.file
+    if ev.line is not None:
+        fields["code_line"] = ev.line
+    if ev.function is not None:
+        fields["code_function"] = ev.function
+    if ev.max_abs_diff is not None:
+        fields["max_abs_diff"] = ev.max_abs_diff
+    if ev.max_rel_diff is not None:
+        fields["max_rel_diff"] = ev.max_rel_diff
+    if ev.duration_s is not None:
+        fields["duration_s"] = ev.duration_s
+    for key, value in ev.details.items():
+        if key == "graph_breaks" and isinstance(value, list | tuple):
+            fields["graph_breaks"] = len(value)
+            fields["graph_break_lines"] = [
+                f"{b.get('file')}:{b.get('line')}" for b in value if isinstance(b, Mapping)
+            ][:32]
+        elif key not in fields and isinstance(value, _SCALARS):
+            fields[key] = safe_message(value) if isinstance(value, str) else value
+    return fields
