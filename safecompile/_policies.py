@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from ._errors import ConfigError
 
-__all__ = ["Buckets", "Rollback", "Shadow", "Warmup", "pow2"]
+__all__ = ["Buckets", "Rollback", "Shadow", "Warmup", "pow2", "steps"]
 
 
 def _check_int(owner: str, name: str, value: object, *, minimum: int) -> None:
@@ -54,20 +54,91 @@ def pow2(lo: int, hi: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+def steps(lo: int, hi: int, step: int) -> tuple[int, ...]:
+    """Every ``step`` from ``lo`` up to the first value that holds ``hi``.
+
+    ``steps(8, 32, 8) == (8, 16, 24, 32)``. Finer than :func:`pow2`, so less padded
+    work for more graphs; concatenate ranges for vLLM-like lists:
+    ``pow2(1, 4) + steps(8, 256, 8) + steps(272, 512, 16)``.
+    """
+    _check_int("steps", "lo", lo, minimum=1)
+    _check_int("steps", "hi", hi, minimum=lo)
+    _check_int("steps", "step", step, minimum=1)
+    count = -(-(hi - lo) // step)  # ceil: the last value holds hi
+    return tuple(lo + i * step for i in range(count + 1))
+
+
+OutputDims = int | tuple[int, ...]
+
+
+def _normal_dims(value: object) -> tuple[int, ...] | None:
+    """``value`` as a tuple of distinct int dims, or ``None`` if it is not one."""
+    dims = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
+    if (
+        not isinstance(dims, tuple)
+        or any(isinstance(d, bool) or not isinstance(d, int) for d in dims)
+        or len(set(dims)) != len(dims)
+    ):
+        return None
+    return dims
+
+
+def _normal_outputs(
+    outputs: object,
+) -> tuple[int, ...] | dict[str, tuple[int, ...]] | None:
+    if outputs is None:
+        return None
+    if isinstance(outputs, Mapping):
+        normal: dict[str, tuple[int, ...]] = {}
+        for path, dims in outputs.items():
+            if not isinstance(path, str):
+                raise ConfigError(
+                    "Buckets(outputs=...) keys must be output paths as text ('' for the "
+                    f"output itself, '0', 'logits', '1.attn'), got {path!r}"
+                )
+            found = _normal_dims(dims)
+            if found is None:
+                raise ConfigError(
+                    "Buckets(outputs=...) values must be a dim (int) or a tuple of distinct "
+                    f"dims (() for none), got {path!r}: {dims!r}"
+                )
+            normal[path] = found
+        return normal
+    found = _normal_dims(outputs)
+    if not found:
+        raise ConfigError(
+            "Buckets(outputs=...) must be None (learn the cut per bucket), a dim or tuple of "
+            "dims to cut in every output tensor, or a mapping of output path to dims, "
+            f"got {outputs!r}"
+        )
+    return found
+
+
 @dataclass(frozen=True, kw_only=True)
 class Buckets:
     """Pad variable dims up to a bounded set of sizes, so recompiles stay bounded.
 
-    ``dims`` maps an argument name to the dim (or dims) to pad; ``sizes`` is an
+    ``dims`` maps an argument name to the dim (or dims) to pad; every bucketed dim of
+    one call must have the same length (``x`` and ``mask``). ``sizes`` is an
     increasing sequence of lengths; ``pad_value`` is one number or a mapping per
     argument; an input longer than the largest size runs eager (``oversize="eager"``)
     or compiles its own shape (``"compile"``).
+
+    ``outputs`` says which output dims are cut back to the original length. ``None``
+    (default) learns it per bucket by comparing the padded output with unpadded eager's:
+    a dim is cut where padding changed it from the length to the bucket size. An int
+    or tuple cuts those dims of every tensor in the output; a mapping names output
+    paths (``""`` the output itself, ``"0"``, ``"logits"``, ``"1.attn"``) and their
+    dims (``()``: never cut), the others are not cut. A declaration is checked against
+    what padding actually changed, and un-padding checks every cut dim, so a hidden
+    size that equals the bucket, or a square attention map, is never cut silently.
     """
 
     dims: Mapping[str, int | tuple[int, ...]]
     sizes: tuple[int, ...]
     pad_value: float | Mapping[str, float] = 0
     oversize: Literal["eager", "compile"] = "eager"
+    outputs: OutputDims | Mapping[str, OutputDims] | None = None
 
     def __post_init__(self) -> None:
         owner = "Buckets"
@@ -99,7 +170,7 @@ class Buckets:
             not isinstance(sizes, tuple)
             or not sizes
             or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes)
-            or any(a >= b for a, b in zip(sizes, sizes[1:], strict=False))
+            or any(sizes[i] >= sizes[i + 1] for i in range(len(sizes) - 1))
         ):
             raise ConfigError(
                 f"{owner}(sizes=...) must be a non-empty, strictly increasing sequence of "
@@ -122,6 +193,7 @@ class Buckets:
         if isinstance(self.pad_value, Mapping):
             object.__setattr__(self, "pad_value", dict(self.pad_value))
         _check_choice(owner, "oversize", self.oversize, ("eager", "compile"))
+        object.__setattr__(self, "outputs", _normal_outputs(self.outputs))
 
     def pad_for(self, arg: str) -> float:
         """The pad value for one argument."""
@@ -153,19 +225,20 @@ class Warmup:
     background: bool = False
 
     def __post_init__(self) -> None:
-        if not callable(self.inputs):
-            if isinstance(self.inputs, str | bytes) or not isinstance(self.inputs, Sequence):
+        inputs: object = self.inputs  # checked at run time: callers may pass anything
+        if not callable(inputs):
+            if isinstance(inputs, str | bytes) or not isinstance(inputs, Sequence):
                 raise ConfigError(
                     "Warmup(inputs=...) must be a sequence of argument tuples or a callable "
-                    f"returning one, got {type(self.inputs).__name__}"
+                    f"returning one, got {type(inputs).__name__}"
                 )
-            for item in self.inputs:
+            for item in inputs:
                 if not isinstance(item, tuple):
                     raise ConfigError(
                         "Warmup(inputs=...) items must be tuples of positional arguments, "
                         f"e.g. [(torch.randn(8, 16),)], got {type(item).__name__}"
                     )
-            object.__setattr__(self, "inputs", tuple(self.inputs))
+            object.__setattr__(self, "inputs", tuple(inputs))
         if not isinstance(self.background, bool):
             raise ConfigError(f"Warmup(background=...) must be a bool, got {self.background!r}")
 
@@ -235,9 +308,7 @@ class Rollback:
         _check_int("Rollback", "slower_min_samples", self.slower_min_samples, minimum=1)
         if self.retry_after is not None:
             _check_number("Rollback", "retry_after", self.retry_after, minimum=0.0, strict=True)
-        _check_number(
-            "Rollback", "max_retry_after", self.max_retry_after, minimum=0.0, strict=True
-        )
+        _check_number("Rollback", "max_retry_after", self.max_retry_after, minimum=0.0, strict=True)
         if self.retry_after is not None and self.max_retry_after < self.retry_after:
             raise ConfigError(
                 "Rollback(max_retry_after=...) must be >= retry_after "

@@ -1,0 +1,629 @@
+"""Cold start across restarts: torch's compile caches and persisted verdicts.
+
+Under ``SAFECOMPILE_CACHE_DIR`` (read when asked, never at import)::
+
+    $SAFECOMPILE_CACHE_DIR/torch/      torch's own caches (TORCHINDUCTOR_CACHE_DIR): inductor's
+                                       FX-graph cache, AOTAutograd's, Triton's, dynamo's PGO
+    $SAFECOMPILE_CACHE_DIR/verdicts/   one JSON file per (artifact key, scope)
+
+An artifact key (:func:`artifact_key`) hashes everything that makes a compiled artifact or
+a verdict stale: torch, Triton and Python versions, platform and device, the function's
+code (and the code it calls), torch.compile's options and safecompile's version. A
+verdict is only ever read back under the key it was written for, so new code or a torch
+upgrade retries a known failure.
+
+Files are written atomically (a temporary file in the same directory, then
+``os.replace``), so a reader sees an old file or a new one, never half of one; a corrupt,
+truncated or foreign file is ignored with a warning (the log event
+``safecompile.cache_file_ignored``), never trusted, never fatal.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import functools
+import getpass
+import hashlib
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import platform
+import re
+import sys
+import tempfile
+import threading
+import types
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ._log import log_event
+from ._version import __version__
+
+__all__ = [
+    "ENV_VAR",
+    "Verdict",
+    "VerdictStore",
+    "artifact_key",
+    "cache_root",
+    "code_fingerprint",
+    "environment",
+    "torch_cache_settings",
+    "use_torch_caches",
+]
+
+ENV_VAR = "SAFECOMPILE_CACHE_DIR"
+SCHEMA = "safecompile.verdict"
+SCHEMA_VERSION = 1
+
+_KEY_CHARS = 32  # hex digits of an artifact key (128 bits)
+_MAX_CODE_OBJECTS = 2000  # bound on the code walked for one fingerprint
+_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_", "TORCH_DYNAMO_")
+# Settings that only say where things go (or which job this is), not what is compiled.
+_PLACE_ONLY = re.compile(r"(_DIR|_PATH|_FILE|JOB_ID)$")
+# Library code is covered by its package version; only user code is walked.
+_LIBRARY_ROOTS = frozenset(
+    {"torch", "torchvision", "torchaudio", "triton", "functorch", "safecompile", "builtins"}
+)
+
+_lock = threading.Lock()
+_warned: set[str] = set()
+
+
+def cache_root() -> Path | None:
+    """``$SAFECOMPILE_CACHE_DIR`` as an absolute path (``~`` and ``$VARS`` expanded), or
+    ``None`` when it is unset or empty. Read at each call; creates nothing."""
+    value = os.environ.get(ENV_VAR, "").strip()
+    if not value:
+        return None
+    return Path(os.path.expandvars(os.path.expanduser(value))).absolute()
+
+
+# ---------------------------------------------------------------- keys
+
+
+def environment(device: str | torch.device = "cpu") -> dict[str, str]:
+    """The versions and hardware an artifact depends on, as text (also for reports)."""
+    env: dict[str, str] = {
+        "safecompile": __version__,
+        "torch": torch.__version__,
+        "torch.git": str(getattr(torch.version, "git_version", None)),
+        "torch.cuda": str(torch.version.cuda),
+        "torch.hip": str(getattr(torch.version, "hip", None)),
+        "triton": _triton_version(),
+        "python": sys.version,
+        "python.implementation": sys.implementation.name,
+        "python.cache_tag": str(sys.implementation.cache_tag),
+        "platform": f"{platform.system()}-{platform.machine()}",
+    }
+    env.update(_device_info(device))
+    for name in sorted(os.environ):
+        if name.startswith(_ENV_PREFIXES) and not _PLACE_ONLY.search(name):
+            env[f"env.{name}"] = os.environ[name]
+    return env
+
+
+@functools.cache
+def _triton_version() -> str:
+    for dist in ("triton", "pytorch-triton", "pytorch-triton-rocm", "pytorch-triton-xpu"):
+        try:
+            return f"{dist}=={importlib.metadata.version(dist)}"
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "none"
+
+
+def _device_info(device: str | torch.device) -> dict[str, str]:
+    dev = torch.device(device)
+    info = {"device": dev.type}
+    try:
+        if dev.type == "cuda" and torch.cuda.is_available():
+            index = dev.index if dev.index is not None else torch.cuda.current_device()
+            props = torch.cuda.get_device_properties(index)
+            info["device.capability"] = f"{props.major}.{props.minor}"
+            info["device.name"] = str(props.name)
+            arch = getattr(props, "gcnArchName", None)
+            if torch.version.hip is not None and arch:
+                info["device.arch"] = str(arch)
+        elif dev.type == "cpu":
+            info["device.isa"] = str(torch.backends.cpu.get_cpu_capability())
+    except Exception as exc:  # a key must never fail on an odd device
+        info["device.error"] = type(exc).__name__
+    return info
+
+
+def artifact_key(
+    fn: Callable[..., Any],
+    *,
+    backend: str,
+    mode: str | None = None,
+    options: Mapping[str, Any] | None = None,
+    dynamic: bool | None = None,
+    device: str | torch.device = "cpu",
+    extra: Mapping[str, Any] | None = None,
+) -> str:
+    """A stable hash (hex) of everything that invalidates ``fn``'s compiled artifacts
+    and verdicts: :func:`environment` for ``device``, :func:`code_fingerprint` of ``fn``,
+    and torch.compile's ``backend``/``mode``/``options``/``dynamic`` (plus ``extra``,
+    e.g. ``fullgraph``). The same inputs give the same key in every process."""
+    parts = {
+        "environment": environment(device),
+        "code": code_fingerprint(fn),
+        "compile": {
+            "backend": backend,
+            "mode": mode,
+            "options": _stable(options),
+            "dynamic": dynamic,
+            "extra": _stable(extra),
+        },
+    }
+    blob = json.dumps(parts, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:_KEY_CHARS]
+
+
+def code_fingerprint(fn: Callable[..., Any]) -> str:
+    """A hash of the code ``fn`` runs: its code objects (bytecode, constants, names,
+    qualified name, file; not line numbers), defaults and closure values, the user
+    functions and classes it reaches through globals, and for an ``nn.Module`` the
+    classes of all its submodules, their plain settings and their parameter shapes.
+    Library code (torch, ...) is covered by versions instead. Never raises."""
+    walker = _CodeWalker()
+    try:
+        walker.value(fn)
+    except Exception as exc:  # partial is still deterministic; never fail a decoration
+        walker.feed("error", type(exc).__name__)
+    return walker.digest()
+
+
+class _CodeWalker:
+    def __init__(self) -> None:
+        self._hash = hashlib.sha256()
+        self._seen: set[int] = set()
+        self._budget = _MAX_CODE_OBJECTS
+
+    def digest(self) -> str:
+        return self._hash.hexdigest()
+
+    def feed(self, tag: str, *parts: object) -> None:
+        for part in (tag, *parts):
+            data = part if isinstance(part, bytes) else str(part).encode("utf-8", "replace")
+            self._hash.update(len(data).to_bytes(8, "little"))
+            self._hash.update(data)
+
+    def _once(self, obj: object) -> bool:
+        if id(obj) in self._seen or self._budget <= 0:
+            return False
+        self._seen.add(id(obj))
+        self._budget -= 1
+        return True
+
+    def value(self, obj: object) -> None:
+        if isinstance(obj, torch.nn.Module):
+            self.module(obj)
+        elif isinstance(obj, types.MethodType):
+            self.feed("method")
+            self.value(obj.__self__)
+            self.value(obj.__func__)
+        elif isinstance(obj, functools.partial):
+            self.feed("partial", _stable(obj.args), _stable(obj.keywords))
+            self.value(obj.func)
+        elif isinstance(obj, types.FunctionType):
+            self.function(obj)
+        elif isinstance(obj, type):
+            self.klass(obj)
+        elif callable(obj):
+            self.feed("callable")
+            self.klass(type(obj))
+        else:
+            self.feed("value", _stable(obj))
+
+    def function(self, fn: types.FunctionType) -> None:
+        if _is_library(fn) or not self._once(fn):
+            self.feed("ref", getattr(fn, "__module__", ""), getattr(fn, "__qualname__", ""))
+            return
+        self.feed("function", fn.__module__, fn.__qualname__)
+        self.code(fn.__code__)
+        self.feed("defaults", _stable(fn.__defaults__), _stable(fn.__kwdefaults__))
+        for cell in fn.__closure__ or ():
+            try:
+                content = cell.cell_contents
+            except ValueError:  # an empty cell
+                self.feed("cell", "empty")
+                continue
+            self._reached(content)
+        for name in _global_names(fn.__code__):
+            if name in fn.__globals__:
+                self._reached(fn.__globals__[name])
+        wrapped = getattr(fn, "__wrapped__", None)
+        if wrapped is not None:
+            self.value(wrapped)
+
+    def _reached(self, obj: object) -> None:
+        """Something fn's code reaches: walk user code, name the rest."""
+        if isinstance(obj, types.FunctionType | type | torch.nn.Module | functools.partial):
+            self.value(obj)
+        elif isinstance(obj, types.ModuleType):
+            self.feed("module", obj.__name__)
+        else:
+            self.feed("value", _stable(obj))
+
+    def code(self, code: types.CodeType) -> None:
+        if not self._once(code):
+            self.feed("ref", getattr(code, "co_qualname", code.co_name))
+            return
+        self.feed(
+            "code",
+            getattr(code, "co_qualname", code.co_name),
+            code.co_filename,
+            code.co_code,
+            ",".join(code.co_names),
+            code.co_argcount,
+            code.co_posonlyargcount,
+            code.co_kwonlyargcount,
+            code.co_flags,
+        )
+        for const in code.co_consts:
+            if isinstance(const, types.CodeType):
+                self.code(const)
+            else:
+                self.feed("const", _stable(const))
+
+    def klass(self, cls: type) -> None:
+        for k in cls.__mro__:
+            if _is_library(k) or not self._once(k):
+                self.feed("class-ref", k.__module__, k.__qualname__)
+                continue
+            self.feed("class", k.__module__, k.__qualname__)
+            for name, attr in sorted(vars(k).items()):
+                func = attr.__func__ if isinstance(attr, staticmethod | classmethod) else attr
+                if isinstance(func, property):
+                    for accessor in (func.fget, func.fset):
+                        if isinstance(accessor, types.FunctionType):
+                            self.function(accessor)
+                elif isinstance(func, types.FunctionType):
+                    self.feed("attr", name)
+                    self.function(func)
+
+    def module(self, root: torch.nn.Module) -> None:
+        self.feed("nn.Module")
+        for name, sub in root.named_modules():
+            self.feed("submodule", name, type(sub).__module__, type(sub).__qualname__)
+            self.klass(type(sub))
+            settings = {
+                k: v
+                for k, v in vars(sub).items()
+                if k != "training" and isinstance(v, bool | int | float | str | type(None))
+            }
+            self.feed("settings", _stable(settings))
+            for pname, tensor in (
+                *sub.named_parameters(recurse=False),
+                *sub.named_buffers(recurse=False),
+            ):
+                self.feed("tensor", pname, _stable(tensor))
+
+
+def _global_names(code: types.CodeType) -> list[str]:
+    names: list[str] = []
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        names.extend(c.co_names)
+        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
+    return list(dict.fromkeys(names))
+
+
+def _is_library(obj: object) -> bool:
+    module = getattr(obj, "__module__", None) or ""
+    return module.partition(".")[0] in _LIBRARY_ROOTS
+
+
+def _stable(value: object, depth: int = 0) -> str:
+    """Text that is equal for equal values in every process (no ids, no hash order, no
+    tensor values)."""
+    if depth > 6:
+        return "..."
+    if value is None or isinstance(value, bool | int | str | bytes):
+        return repr(value)
+    if isinstance(value, float):
+        return repr(value) if math.isfinite(value) else str(value)
+    if isinstance(value, complex):
+        return repr(value)
+    if isinstance(value, enum.Enum):
+        return f"{type(value).__qualname__}.{value.name}"
+    if isinstance(value, torch.Tensor):
+        return f"tensor({value.dtype}, {tuple(value.shape)})"
+    if isinstance(value, torch.dtype | torch.device | torch.Size):
+        return str(value)
+    if isinstance(value, tuple | list):
+        inner = ", ".join(_stable(v, depth + 1) for v in value)
+        return f"{type(value).__name__}({inner})"
+    if isinstance(value, set | frozenset):
+        return f"set({', '.join(sorted(_stable(v, depth + 1) for v in value))})"
+    if isinstance(value, Mapping):
+        items = sorted(
+            f"{_stable(k, depth + 1)}: {_stable(v, depth + 1)}" for k, v in value.items()
+        )
+        return "{" + ", ".join(items) + "}"
+    if isinstance(value, types.FunctionType | type):
+        return f"<{value.__module__}.{value.__qualname__}>"
+    return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+# ---------------------------------------------------------------- verdicts
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Verdict:
+    """Something learned about a function under one artifact key, kept across restarts,
+    e.g. ``kind="compile_failed"`` with the error. JSON-serialisable; no tensor values."""
+
+    kind: str
+    time: float  # wall-clock seconds since the epoch
+    name: str | None = None  # the guarded callable's name, for humans
+    reason: str | None = None
+    error_type: str | None = None
+    message: str | None = None
+    details: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable form."""
+        out = dataclasses.asdict(self)
+        out["details"] = dict(self.details)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Verdict:
+        """The inverse of :meth:`to_dict`; ``ValueError`` on anything else."""
+        if not isinstance(data.get("kind"), str) or not data["kind"]:
+            raise ValueError("kind must be a non-empty string")
+        when = data.get("time")
+        if isinstance(when, bool) or not isinstance(when, int | float) or not math.isfinite(when):
+            raise ValueError("time must be a finite number")
+        for name in ("name", "reason", "error_type", "message"):
+            if data.get(name) is not None and not isinstance(data[name], str):
+                raise ValueError(f"{name} must be a string or null")
+        details = data.get("details", {})
+        if not isinstance(details, dict):
+            raise ValueError("details must be an object")
+        return cls(
+            kind=data["kind"],
+            time=float(when),
+            name=data.get("name"),
+            reason=data.get("reason"),
+            error_type=data.get("error_type"),
+            message=data.get("message"),
+            details=details,
+        )
+
+
+class VerdictStore:
+    """Verdicts persisted under ``root/verdicts``: one JSON file per (key, scope).
+
+    ``scope`` narrows a verdict within a key (``""``: the whole function; e.g.
+    ``"bucket=128"``). Writers never corrupt a file (atomic replace; the last writer of a
+    file wins); readers ignore, with one warning per file, anything they cannot trust.
+    Write failures (read-only disk, full disk) are warnings too: :meth:`put` returns
+    ``False``.
+    """
+
+    def __init__(self, root: Path | str) -> None:
+        self.directory = Path(root) / "verdicts"
+
+    def path(self, key: str, scope: str = "") -> Path:
+        """The file holding ``(key, scope)``."""
+        digest = hashlib.sha256(scope.encode()).hexdigest()[:24]
+        return self.directory / _key_dir(key) / f"{digest}.json"
+
+    def get(
+        self, key: str, scope: str = "", *, max_age: float | None = None, now: float | None = None
+    ) -> Verdict | None:
+        """The verdict for ``(key, scope)``, or ``None`` (none, unreadable, foreign, or
+        older than ``max_age`` seconds before ``now``)."""
+        path = self.path(key, scope)
+        doc = _read_json(path)
+        if doc is None:
+            return None
+        try:
+            if doc.get("schema") != SCHEMA or doc.get("version") != SCHEMA_VERSION:
+                raise ValueError(
+                    f"schema {doc.get('schema')!r} version {doc.get('version')!r}, expected "
+                    f"{SCHEMA!r} version {SCHEMA_VERSION}"
+                )
+            if doc.get("key") != key or doc.get("scope") != scope:
+                raise ValueError("written for another key or scope")
+            verdict = Verdict.from_dict(doc.get("verdict") or {})
+        except (ValueError, TypeError, AttributeError) as exc:
+            _ignored(path, f"foreign or invalid: {exc}")
+            return None
+        if max_age is not None and now is not None and now - verdict.time > max_age:
+            return None
+        return verdict
+
+    def put(self, key: str, verdict: Verdict, scope: str = "") -> bool:
+        """Persist ``verdict`` for ``(key, scope)`` atomically; ``False`` if it failed."""
+        doc = {
+            "schema": SCHEMA,
+            "version": SCHEMA_VERSION,
+            "key": key,
+            "scope": scope,
+            "verdict": verdict.to_dict(),
+        }
+        data = json.dumps(doc, sort_keys=True, indent=1, default=str).encode()
+        return _write_atomic(self.path(key, scope), data)
+
+    def all(self, key: str) -> dict[str, Verdict]:
+        """Every readable verdict under ``key``, by scope."""
+        folder = self.directory / _key_dir(key)
+        out: dict[str, Verdict] = {}
+        try:
+            files = sorted(folder.glob("*.json"))
+        except OSError:
+            return out
+        for path in files:
+            doc = _read_json(path)
+            scope = doc.get("scope") if doc is not None else None
+            if isinstance(scope, str) and self.path(key, scope) == path:
+                verdict = self.get(key, scope)
+                if verdict is not None:
+                    out[scope] = verdict
+        return out
+
+    def clear(self, key: str | None = None, scope: str | None = None) -> int:
+        """Delete one verdict, every verdict of ``key``, or all; the number of files."""
+        if key is not None and scope is not None:
+            targets = [self.path(key, scope)]
+        else:
+            folder = self.directory / _key_dir(key) if key is not None else self.directory
+            try:
+                targets = sorted(folder.rglob("*.json"))
+            except OSError:
+                return 0
+        removed = 0
+        for path in targets:
+            try:
+                path.unlink()
+                removed += 1
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                _ignored(path, f"cannot delete: {type(exc).__name__}: {exc}")
+        return removed
+
+
+def _key_dir(key: str) -> str:
+    """A safe directory name for a key: itself when it is hex, else its hash."""
+    if re.fullmatch(r"[0-9a-f]{8,128}", key):
+        return key
+    return hashlib.sha256(key.encode()).hexdigest()[:_KEY_CHARS]
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        _ignored(path, f"unreadable: {type(exc).__name__}: {exc}")
+        return None
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        _ignored(path, f"corrupt: {type(exc).__name__}: {exc}")
+        return None
+    if not isinstance(doc, dict):
+        _ignored(path, f"foreign: a JSON {type(doc).__name__}, not an object")
+        return None
+    return doc
+
+
+def _write_atomic(path: Path, data: bytes) -> bool:
+    tmp: str | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        tmp = None
+        return True
+    except OSError as exc:
+        _ignored(path, f"cannot write: {type(exc).__name__}: {exc}")
+        return False
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
+def _ignored(path: Path, reason: str) -> None:
+    """Warn once per file and reason; never raises."""
+    token = f"{path}\0{reason}"
+    with _lock:
+        if token in _warned:
+            return
+        _warned.add(token)
+    log_event(
+        "safecompile.cache_file_ignored", level=logging.WARNING, path=str(path), reason=reason
+    )
+
+
+# ---------------------------------------------------------------- torch's caches
+
+
+def use_torch_caches(root: Path | str) -> Path:
+    """Point torch's on-disk compile caches at ``root/torch``; returns the directory in use.
+
+    Sets ``TORCHINDUCTOR_CACHE_DIR`` in ``os.environ``: torch reads it at every cache
+    access (inductor's FX-graph cache, AOTAutograd's cache, dynamo's PGO profiles, the
+    C++ build dir, and Triton's cache unless ``TRITON_CACHE_DIR`` is set), and an
+    environment variable applies to every thread, unlike ``torch._inductor.config``
+    assignments (thread-local in torch 2.13). Nothing is switched on: both caches are on
+    by default; :func:`torch_cache_settings` says what the current thread sees.
+
+    A ``TORCHINDUCTOR_CACHE_DIR`` the user chose (other than torch's default) is kept and
+    returned. Idempotent; call it before the first compile (dynamo's precompile cache
+    and a Triton dir already derived by a compile keep their old place otherwise).
+    """
+    target = (Path(root) / "torch").absolute()
+    with _lock:
+        env_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+        current = Path(env_dir).absolute() if env_dir else None
+        if current is not None and current != target and not _is_torch_default(str(current)):
+            return current
+        target.mkdir(parents=True, exist_ok=True)
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(target)
+        triton = os.environ.get("TRITON_CACHE_DIR")
+        if current is not None and triton and Path(triton).absolute().is_relative_to(current):
+            # derived from the old dir by a compile that already ran: follow the move
+            moved = target / Path(triton).absolute().relative_to(current)
+            os.environ["TRITON_CACHE_DIR"] = str(moved)
+        codecache = sys.modules.get("torch._inductor.codecache")
+        if codecache is not None and current != target:
+            local = getattr(getattr(codecache, "CacheBase", None), "get_local_cache_path", None)
+            clear = getattr(local, "cache_clear", None)
+            if callable(clear):
+                clear()
+    return target
+
+
+def _is_torch_default(directory: str) -> bool:
+    """Whether ``directory`` is torch's default cache dir (which torch itself writes into
+    ``TORCHINDUCTOR_CACHE_DIR`` at its first cache access)."""
+    utils = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+    if utils is not None:
+        default = utils.default_cache_dir()
+    else:  # the same rule, without importing torch._inductor (~1.5 s)
+        try:
+            user = getpass.getuser()
+        except (KeyError, ModuleNotFoundError, OSError):
+            getuid = getattr(os, "getuid", None)
+            user = f"uid_{getuid()}" if callable(getuid) else "unknown_user"
+        user = re.sub(r'[\\/:*?"<>|]', "_", user)
+        default = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+    return Path(directory).absolute() == Path(default).absolute()
+
+
+def torch_cache_settings() -> dict[str, object]:
+    """What the calling thread's torch config says about the caches (for reports).
+
+    These are ``torch._inductor.config`` / ``torch._functorch.config`` values: thread-local
+    overrides in torch 2.13, so a worker thread sees the defaults (caches on) even where
+    the main thread switched them off.
+    """
+    from torch._functorch import config as functorch_config  # noqa: PLC0415 (heavy import)
+    from torch._inductor import config as inductor_config  # noqa: PLC0415
+
+    return {
+        "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+        "fx_graph_cache": bool(inductor_config.fx_graph_cache),
+        "autograd_cache": bool(functorch_config.enable_autograd_cache),
+        "force_disable_caches": bool(inductor_config.force_disable_caches),
+    }
