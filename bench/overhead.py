@@ -9,8 +9,8 @@ measures the median per-call time of:
 - the guarded function with the kill switch on (``SAFECOMPILE_DISABLE=1``: eager path),
 
 interleaving the variants round by round so machine noise hits them alike. Prints the
-medians and the differences the issue's targets are about: guard − bare compiled
-(target ≤ 1 µs) and kill-switched − eager (target ≤ 1 µs).
+medians and the differences the issue's targets are about: guard - bare compiled
+(target ≤ 1 µs) and kill-switched - eager (target ≤ 1 µs).
 
     python bench/overhead.py                 # inductor (cold compiles ~10 s each here)
     python bench/overhead.py --backend eager # quick
@@ -118,8 +118,8 @@ def main() -> None:
         "MLP 3x512, batch 1": (MLP().eval(), torch.randn(1, 512)),
     }
     print(
-        f"\n| case | eager | bare compiled | guarded | kill switch on | guard − bare | "
-        f"kill switch − eager |\n|---|---|---|---|---|---|---|"
+        "\n| case | eager | bare compiled | guarded | kill switch on | guard - bare | "
+        "kill switch - eager |\n|---|---|---|---|---|---|---|"
     )
     for label, (fn, x) in cases.items():
         calls = args.calls if "tiny" in label else max(args.calls // 10, 50)

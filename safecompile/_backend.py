@@ -8,6 +8,7 @@ inductor's ``mode``/``options`` while wrapping, we build the same compiler objec
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -15,7 +16,7 @@ import torch
 
 from ._errors import ConfigError
 
-__all__ = ["backend_name", "build_compiler", "validate_compile_options"]
+__all__ = ["backend_name", "build_compiler", "compile_function", "validate_compile_options"]
 
 CompilerFn = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
 
@@ -62,7 +63,7 @@ def validate_compile_options(
         if backend != "inductor" and mode != "default":
             raise ConfigError(
                 f"safe_compile(mode={mode!r}) only applies to backend='inductor', "
-                f"got backend={backend_name(backend)!r}"  # type: ignore[arg-type]
+                f"got backend={backend_name(backend)!r}"
             )
     if options is not None:
         if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
@@ -103,8 +104,37 @@ def build_compiler(
         opts.pop("guard_filter_fn", None)
     if mode is None and opts is None:
         mode = "default"
+    wrappers: Any = torch  # private, untyped builders that torch.compile itself uses
     if backend == "inductor":
-        compiler: CompilerFn = torch._TorchCompileInductorWrapper(mode, opts, dynamic)
+        compiler: CompilerFn = wrappers._TorchCompileInductorWrapper(mode, opts, dynamic)
     else:
-        compiler = torch._TorchCompileWrapper(backend, mode, opts, dynamic)
+        compiler = wrappers._TorchCompileWrapper(backend, mode, opts, dynamic)
     return compiler
+
+
+_COMPILE_PARAMS = frozenset(inspect.signature(torch.compile).parameters)
+
+
+def compile_function(
+    fn: Callable[..., Any],
+    *,
+    backend: CompilerFn,
+    dynamic: bool | None,
+    fullgraph: bool,
+    recompile_limit: int,
+    options: dict[str, Any] | None = None,
+) -> Callable[..., Any]:
+    """``torch.compile`` with a per-function recompile limit and isolated cache entries,
+    where this torch has them (2.13 does; older releases fall back to the global limit)."""
+    extra: dict[str, Any] = {}
+    if "recompile_limit" in _COMPILE_PARAMS:
+        extra["recompile_limit"] = recompile_limit
+    if "isolate_recompiles" in _COMPILE_PARAMS:
+        extra["isolate_recompiles"] = True
+    if options:
+        extra["options"] = options
+    compile_: Any = torch.compile
+    compiled: Callable[..., Any] = compile_(
+        fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph, **extra
+    )
+    return compiled

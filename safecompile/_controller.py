@@ -21,16 +21,18 @@ from typing import Any, Protocol
 import torch
 
 from . import _killswitch as ks
-from ._backend import CompilerFn
+from ._backend import CompilerFn, compile_function
 from ._model import Event, EventKind, Reason, State, Stats
 from ._policies import Rollback, Shadow
 from ._shadow import ShadowRunner
 from ._source import (
     SourceLocation,
+    dedupe_graph_breaks,
     error_type_name,
     graph_breaks_of,
     location_of_error,
     location_of_function,
+    safe_message,
     truncate,
 )
 
@@ -198,7 +200,7 @@ class Controller:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         """A copy of a guarded module is unguarded (see ``_ModuleForward``)."""
-        return None
+        return
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(None), ())
@@ -229,7 +231,7 @@ class Controller:
                     entry.countdown -= 1
                     try:
                         out = self._compiled(*args, **kwargs)
-                    except Exception as exc:  # noqa: BLE001 - every compiler failure is answered
+                    except Exception as exc:
                         failure: Exception = exc
                     else:
                         with lock:
@@ -278,7 +280,11 @@ class Controller:
                 max_rel_diff=shadow.max_rel,
                 rollbacks=self._rollbacks,
                 last_rollback=self._last_rollback,
-                extra={"latency": shadow.latency, "shadow_queue_full": shadow.queue_full},
+                extra={
+                    "latency": shadow.latency,
+                    "shadow_queue_full": shadow.queue_full,
+                    "hidden_recompiles": self._hidden_graphs,
+                },
             )
 
     def events(self) -> tuple[Event, ...]:
@@ -310,7 +316,7 @@ class Controller:
                 kind=EventKind.WARMUP_FAILED,
                 time=time.time(),
                 error_type=error_type_name(error),
-                message=truncate(str(error)),
+                message=safe_message(error),
                 details=details,
                 **where,
             )
@@ -465,7 +471,7 @@ class Controller:
         started = self._clock()
         try:
             out = self._compiled(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001 - every compiler failure is answered
+        except Exception as exc:
             failure: Exception | None = exc
         else:
             failure = None
@@ -504,7 +510,7 @@ class Controller:
 
     def _compiled_entry(self, entry: Entry, graphs: list[dict[str, Any]], seconds: float) -> None:
         """Note a shape's first successful compiled call (and the graphs it compiled)."""
-        breaks = [b for g in graphs for b in g["breaks"]]
+        breaks = _breaks(graphs)
         with self._lock:
             entry.status = _Status.READY
             policy = self._shadow_policy
@@ -512,6 +518,7 @@ class Controller:
             entry.countdown = self.shadow.next_countdown(entry)
             if graphs:
                 self._compiles += 1
+                self._graph_breaks += len(breaks)
                 self._compile_s += seconds
                 entry.graphs += len(graphs)
                 entry.compile_s += seconds
@@ -561,7 +568,7 @@ class Controller:
         out: Any = None
         try:
             out = self._fn(*args, **kwargs)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             user_error = exc
         if not warmup:
             self._count(compiled=False)
@@ -572,7 +579,9 @@ class Controller:
             with self._lock:
                 self._compile_errors += 1
             where, details = self._error_where(failure)
-            details["graph_breaks"] = [b for g in graphs or () for b in g["breaks"]]
+            details["graph_breaks"] = _breaks(graphs or [])
+            with self._lock:
+                self._graph_breaks += len(details["graph_breaks"])
             self._record(
                 Event(
                     kind=EventKind.COMPILE_FAILED,
@@ -580,7 +589,7 @@ class Controller:
                     time=time.time(),
                     bucket=entry.label,
                     error_type=error_type_name(failure),
-                    message=truncate(str(failure)),
+                    message=safe_message(failure),
                     details=details,
                     **where,
                 )
@@ -588,9 +597,7 @@ class Controller:
         self._trip(reason, error=failure, entry=entry)
         return out
 
-    def _eager(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmup: bool = False
-    ) -> Any:
+    def _eager(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmup: bool = False) -> Any:
         if warmup:
             return None
         try:
@@ -657,7 +664,7 @@ class Controller:
             time=time.time(),
             bucket=entry.label if entry is not None else None,
             error_type=error_type_name(error) if error is not None else None,
-            message=truncate(message if message is not None else str(error)),
+            message=truncate(message) if message is not None else safe_message(error or ""),
             max_abs_diff=max_abs,
             max_rel_diff=max_rel,
             details=details,
@@ -700,12 +707,8 @@ class Controller:
             Event(kind=EventKind.RECOVERED, time=time.time(), message="compiled path serves again")
         )
 
-    def _on_async_breach(
-        self, entry: Entry, message: str, max_abs: float, max_rel: float
-    ) -> None:
-        self._trip(
-            Reason.DRIFT, message=message, entry=entry, max_abs=max_abs, max_rel=max_rel
-        )
+    def _on_async_breach(self, entry: Entry, message: str, max_abs: float, max_rel: float) -> None:
+        self._trip(Reason.DRIFT, message=message, entry=entry, max_abs=max_abs, max_rel=max_rel)
 
     def _on_slower(self, message: str) -> None:
         self._trip(Reason.SLOWER, message=message)
@@ -768,29 +771,24 @@ class Controller:
     def _make_compiled(self) -> Callable[..., Any]:
         opts = self._opts
         limit = self._rollback_policy.max_recompiles
-        extra: dict[str, Any] = {}
-        if opts.options and "guard_filter_fn" in opts.options:
-            extra["options"] = {"guard_filter_fn": opts.options["guard_filter_fn"]}
-        compiled: Callable[..., Any] = torch.compile(
+        guard_filter = (opts.options or {}).get("guard_filter_fn")
+        return compile_function(
             self._fn,
             backend=_GuardBackend(self),
             dynamic=opts.dynamic,
             fullgraph=opts.fullgraph,
             # torch's own limit stays above ours, so torch never falls back silently first
             recompile_limit=max(2 * limit + 2, 8),
-            isolate_recompiles=True,
-            **extra,
+            options={"guard_filter_fn": guard_filter} if guard_filter is not None else None,
         )
-        return compiled
 
     def _on_graph(self, gm: torch.fx.GraphModule) -> None:
         """Called by the backend for every graph dynamo hands it (on the compiling thread)."""
-        breaks = graph_breaks_of(gm)
+        breaks = graph_breaks_of(gm, include_resumed=True)
         random_op = _random_op_in(gm)
         graphs: list[dict[str, Any]] | None = getattr(self._tls, "graphs", None)
         with self._lock:
             self._graphs += 1
-            self._graph_breaks += len(breaks)
             if random_op is not None and self._random_op is None:
                 self._random_op = random_op
                 self.shadow.mark_random(random_op)
@@ -800,6 +798,7 @@ class Controller:
             # A graph compiled on the fast path: dynamo recompiled for a reason our shape
             # key does not see (a Python scalar, a global, grad mode...).
             self._hidden_graphs += 1
+            self._graph_breaks += len(dedupe_graph_breaks(breaks))
             storm = self._hidden_graphs > 2 * self._rollback_policy.max_recompiles
         if storm:
             self._trip(
@@ -839,6 +838,11 @@ def _random_op_in(gm: torch.fx.GraphModule) -> str | None:
                 continue
             return name
     return None
+
+
+def _breaks(graphs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The graph breaks of one compile, each once (dynamo sees a break from both sides)."""
+    return [dict(b) for b in dedupe_graph_breaks(b for g in graphs for b in g["breaks"])]
 
 
 def _label(key: _Key) -> str:

@@ -64,11 +64,13 @@ class _ModuleForward:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         module = self.safecompile._module
-        copy = memo.get(id(module), module)
-        return _plain_forward(copy)
+        assert module is not None
+        return _plain_forward(memo.get(id(module), module))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_plain_forward, (self.safecompile._module,))
+        module = self.safecompile._module
+        assert module is not None
+        return (_plain_forward, (module,))
 
     def __repr__(self) -> str:
         return f"<safe_compile forward of {self.safecompile.name!r}>"
@@ -89,9 +91,9 @@ def _shape_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
 
 def _generic_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
     parts: list[Hashable] = [_part(a) for a in args]
-    for name in kwargs:
+    for name, value in kwargs.items():
         parts.append(name)
-        parts.append(_part(kwargs[name]))
+        parts.append(_part(value))
     return tuple(parts)
 
 
@@ -102,7 +104,7 @@ def _part(value: Any) -> Hashable:
         return (type(value), tuple(_part(v) for v in value))
     if isinstance(value, dict):
         return (dict, tuple((k, _part(v)) for k, v in value.items()))
-    return type(value)  # scalars: dynamo specialises, then goes dynamic; not our key
+    return (type(value),)  # scalars: dynamo specialises, then goes dynamic; not our key
 
 
 @overload
@@ -136,24 +138,39 @@ def safe_compile(fn: Any = None, /, **options: Any) -> Any:
 class _Config:
     """The decorator's options, validated once."""
 
-    __slots__ = (
-        "backend",
-        "buckets",
-        "clock",
-        "dynamic",
-        "fullgraph",
-        "meter_provider",
-        "mode",
-        "name",
-        "options",
-        "rollback",
-        "rollout",
-        "shadow",
-        "tracer_provider",
-        "warmup",
+    _ALLOWED = frozenset(
+        {
+            "backend",
+            "buckets",
+            "clock",
+            "dynamic",
+            "fullgraph",
+            "meter_provider",
+            "mode",
+            "name",
+            "options",
+            "rollback",
+            "rollout",
+            "shadow",
+            "tracer_provider",
+            "warmup",
+        }
     )
 
-    _ALLOWED = frozenset(__slots__)
+    backend: str | Callable[..., Any]
+    mode: str | None
+    options: dict[str, Any] | None
+    dynamic: bool | None
+    fullgraph: bool
+    name: str | None
+    buckets: Buckets | None
+    warmup: Warmup | None
+    shadow: Shadow | None
+    rollback: Rollback
+    rollout: float
+    clock: Clock
+    tracer_provider: Any
+    meter_provider: Any
 
     @classmethod
     def build(cls, given: dict[str, Any]) -> _Config:
@@ -178,7 +195,9 @@ class _Config:
         )
         self.name = given.get("name")
         if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
-            raise ConfigError(f"safe_compile(name=...) must be a non-empty string, got {self.name!r}")
+            raise ConfigError(
+                f"safe_compile(name=...) must be a non-empty string, got {self.name!r}"
+            )
         self.buckets = _policy(given, "buckets", Buckets, None)
         self.warmup = _policy(given, "warmup", Warmup, None)
         self.shadow = _policy(given, "shadow", Shadow, _DEFAULT_SHADOW)
@@ -221,7 +240,8 @@ def _guard(target: Any, *, config: _Config) -> Any:
         return _guard_module(target, config)
     if inspect.iscoroutinefunction(target) or inspect.isasyncgenfunction(target):
         raise TypeError(
-            f"safe_compile cannot guard async function {getattr(target, '__qualname__', target)!r}: "
+            "safe_compile cannot guard async function "
+            f"{getattr(target, '__qualname__', target)!r}: "
             "torch.compile traces synchronous code; guard the synchronous function it awaits"
         )
     if inspect.isgeneratorfunction(target):
@@ -235,7 +255,9 @@ def _guard(target: Any, *, config: _Config) -> Any:
             "@staticmethod\n@safe_compile\ndef f(...)"
         )
     if not callable(target):
-        raise TypeError(f"safe_compile needs a function or an nn.Module, got {type(target).__name__}")
+        raise TypeError(
+            f"safe_compile needs a function or an nn.Module, got {type(target).__name__}"
+        )
     name = config.name or f"{target.__module__}.{target.__qualname__}"
     controller = _controller(name, target, target, config, module=None)
     guarded = _make_guarded(controller, target)
@@ -313,7 +335,7 @@ def _start_warmup(controller: Controller, config: _Config) -> None:
     def run_in_background() -> None:
         try:
             run()
-        except Exception as exc:  # noqa: BLE001 - the example inputs' own error: eager serves
+        except Exception as exc:
             controller.note_warmup_error(exc)
 
     threading.Thread(

@@ -181,7 +181,7 @@ class ShadowRunner:
                 for t in pytree.tree_leaves((args, kwargs))
                 if isinstance(t, torch.Tensor)
             ]
-        except Exception as exc:  # noqa: BLE001 - an uncopyable input: skip, say why
+        except Exception as exc:
             self._skip(f"inputs could not be copied for the eager run ({type(exc).__name__})")
             return None
         return Prepared(args=args, kwargs=kwargs, copies=copies, versions=versions)
@@ -399,7 +399,7 @@ class ShadowRunner:
                 self._on_breach(
                     job.entry, result.reason or "outputs differ", result.max_abs, result.max_rel
                 )
-        except Exception as exc:  # noqa: BLE001 - an eager failure here is not the caller's
+        except Exception as exc:
             self._skip(f"the async eager run raised {type(exc).__name__}")
         finally:
             with self._lock:
@@ -469,6 +469,4 @@ def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor
 
 
 def _requires_grad(out: Any) -> bool:
-    return any(
-        isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out)
-    )
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out))

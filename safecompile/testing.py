@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
+from ._backend import compile_function
 from ._compare import compare
 from ._shadow import drain
 from ._source import graph_breaks_of
@@ -221,7 +222,9 @@ def assert_compiles(
     """
     target = _unwrap(fn)
     recorder = _Recorder(backend)
-    compiled = torch.compile(target, backend=recorder, isolate_recompiles=True)
+    compiled = compile_function(
+        target, backend=recorder, dynamic=None, fullgraph=False, recompile_limit=64
+    )
     try:
         out = compiled(*args, **kwargs)
     except Exception as exc:

@@ -1,4 +1,4 @@
-"""Bad options are refused when decorating, with a message naming the option and the allowed values."""
+"""Bad options are refused when decorating, naming the option and the allowed values."""
 
 from __future__ import annotations
 
@@ -53,7 +53,10 @@ def test_config_error_is_value_error() -> None:
         (lambda: Shadow(rtol=-1.0), r"Shadow\(rtol=\.\.\.\)"),
         (lambda: Shadow(atol=float("nan")), r"Shadow\(atol=\.\.\.\)"),
         (lambda: Shadow(queue_size=0), r"Shadow\(queue_size=\.\.\.\)"),
-        (lambda: Rollback(max_recompiles=0), r"Rollback\(max_recompiles=\.\.\.\) must be an int >= 1"),
+        (
+            lambda: Rollback(max_recompiles=0),
+            r"Rollback\(max_recompiles=\.\.\.\) must be an int >= 1",
+        ),
         (lambda: Rollback(slower_ratio=0.5), r"Rollback\(slower_ratio=\.\.\.\)"),
         (lambda: Rollback(retry_after=0), r"Rollback\(retry_after=\.\.\.\)"),
         (lambda: Rollback(retry_after=10, max_retry_after=5), r"max_retry_after"),
@@ -63,7 +66,10 @@ def test_config_error_is_value_error() -> None:
         (lambda: Buckets(dims={}, sizes=(8,)), r"Buckets\(dims=\.\.\.\)"),
         (lambda: Buckets(dims={"x": "1"}, sizes=(8,)), r"Buckets\(dims=\.\.\.\)"),
         (lambda: Buckets(dims={"x": 1}, sizes=(8, 4)), r"Buckets\(sizes=\.\.\.\)"),
-        (lambda: Buckets(dims={"x": 1}, sizes=(8,), oversize="drop"), r"Buckets\(oversize=\.\.\.\)"),
+        (
+            lambda: Buckets(dims={"x": 1}, sizes=(8,), oversize="drop"),
+            r"Buckets\(oversize=\.\.\.\)",
+        ),
         (lambda: Buckets(dims={"x": 1}, sizes=(8,), pad_value={"y": 0}), r"pad_value"),
         (lambda: pow2(0, 8), r"pow2\(lo=\.\.\.\)"),
         (lambda: pow2(16, 8), r"pow2\(hi=\.\.\.\)"),

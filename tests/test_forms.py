@@ -23,7 +23,10 @@ def test_bare_decorator_compiles_with_default_name(x: torch.Tensor) -> None:
         return x + 1
 
     assert isinstance(f, Guarded)
-    assert f.safecompile.name == f"{__name__}.test_bare_decorator_compiles_with_default_name.<locals>.f"
+    assert (
+        f.safecompile.name
+        == f"{__name__}.test_bare_decorator_compiles_with_default_name.<locals>.f"
+    )
     assert f.safecompile.state == State.PENDING
     assert f.__name__ == "f"
 
@@ -57,7 +60,7 @@ class Net(torch.nn.Module):
 
 
 def test_module_is_guarded_in_place(x: torch.Tensor) -> None:
-    """A module keeps its identity, type, attributes and state_dict keys; calls go through the guard."""
+    """A module keeps identity, type, attributes and state_dict keys; calls go through the guard."""
     net = Net()
     keys = list(net.state_dict())
     backend = RecordingBackend()

@@ -34,7 +34,8 @@ def test_drift_trips_in_canary_and_caller_never_sees_it() -> None:
     last = c.stats().last_rollback
     assert last is not None
     assert last.reason == Reason.DRIFT
-    assert last.max_rel_diff is not None and last.max_rel_diff > 1e-3
+    assert last.max_rel_diff is not None
+    assert last.max_rel_diff > 1e-3
     assert c.stats().shadow_breaches == 1
     assert backend.runs == 4  # no compiled call after the trip
 
@@ -226,7 +227,9 @@ def test_async_never_blocks_and_full_queue_skips() -> None:
     assert stats.extra["shadow_queue_full"] >= 7
     gate.set()
     drain_shadow_checks()
-    assert g.safecompile.stats().shadow_checks + g.safecompile.stats().extra["shadow_queue_full"] == 10
+    assert (
+        g.safecompile.stats().shadow_checks + g.safecompile.stats().extra["shadow_queue_full"] == 10
+    )
 
 
 def test_slower_than_eager_rolls_back(clock: FakeClock) -> None:
