@@ -1,0 +1,211 @@
+"""The command line: ``python -m safecompile doctor MODULE:FACTORY`` (or ``safecompile doctor``).
+
+Exit codes: 0 ready, 1 not ready, 2 usage error (bad flags, MODULE:FACTORY that does not
+import or call, a bad return value, example inputs that fail in eager), 3 the doctor itself
+crashed (a bug in safecompile: please report it with the traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import sys
+import traceback
+from collections.abc import Sequence
+
+from . import doctor
+
+__all__ = ["main"]
+
+EXIT_READY = 0
+EXIT_NOT_READY = 1
+EXIT_USAGE = 2
+EXIT_CRASH = 3
+
+_DESCRIPTION = """\
+Check that a callable is ready for safe_compile in production: graph breaks with their
+source lines, cold compile time per example, recompiles over a shape sweep, speed against
+eager, drift against eager, versions. Exit 0 ready, 1 not ready, 2 usage error.
+
+FACTORY() returns DoctorTarget(fn=..., inputs=[...]) (from safecompile.doctor) or a pair
+(fn, inputs): fn is a function or an nn.Module, inputs a list of example calls (each a
+tuple of arguments, a dict of keyword arguments or a tensor) or one call's tuple of
+arguments."""
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if math.isnan(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a number > 0 (inf: never), got {text!r}")
+    return value
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="safecompile",
+        description="Tools for safecompile: make torch.compile safe in production.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    doctor = commands.add_parser(
+        "doctor",
+        help="readiness report for one callable",
+        description=_DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    doctor.add_argument(
+        "target",
+        metavar="MODULE:FACTORY",
+        help="a module (dotted, importable from here) or a .py file, and the factory in it",
+    )
+    doctor.add_argument(
+        "--backend",
+        help="torch.compile backend (default: the target's, else inductor)",
+    )
+    doctor.add_argument("--mode", help="inductor mode (default: the target's, else none)")
+    doctor.add_argument(
+        "--dynamic",
+        choices=("true", "false", "auto"),
+        help="torch.compile's dynamic: true, false, or auto (None; the default)",
+    )
+    doctor.add_argument(
+        "--json", metavar="PATH", help="also write the report as JSON to PATH ('-': stdout)"
+    )
+    doctor.add_argument(
+        "--repeat",
+        type=_positive_int,
+        default=20,
+        metavar="N",
+        help="timing samples per example and path (default 20)",
+    )
+    doctor.add_argument("--quick", action="store_true", help="skip the shape sweep and the timing")
+    doctor.add_argument(
+        "--grad",
+        action="store_true",
+        help="run with autograd on (default: under torch.no_grad(), as for inference)",
+    )
+    doctor.add_argument(
+        "--max-graph-breaks",
+        type=_count,
+        default=0,
+        metavar="N",
+        help="graph breaks allowed before the check fails (default 0)",
+    )
+    doctor.add_argument(
+        "--max-recompiles",
+        type=_positive_int,
+        metavar="N",
+        help="compiles allowed before new shapes run eager, as Rollback(max_recompiles) "
+        "(default: the target's, else 8)",
+    )
+    doctor.add_argument(
+        "--slower-ratio",
+        type=_ratio,
+        default=1.10,
+        metavar="X",
+        help="fail when compiled takes more than X times eager's time (default 1.10)",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    parser = _parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # --help, or a bad flag (argparse printed why)
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if args.command != "doctor":
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    return _doctor(args)
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    if args.json not in (None, "-"):
+        folder = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(folder):  # say so now, not after minutes of compiling
+            print(
+                f"safecompile doctor: error: --json {args.json}: no such directory", file=sys.stderr
+            )
+            return EXIT_USAGE
+
+    settings = doctor.Settings(
+        backend=args.backend,
+        mode=args.mode,
+        dynamic=args.dynamic,
+        grad=args.grad,
+        quick=args.quick,
+        repeat=args.repeat,
+        max_graph_breaks=args.max_graph_breaks,
+        max_recompiles=args.max_recompiles,
+        slower_ratio=args.slower_ratio,
+    )
+
+    def progress(line: str) -> None:
+        print(f"doctor: {line}", file=sys.stderr, flush=True)
+
+    try:
+        # stdout carries the report and only the report: what the user's code, torch or an
+        # application's logging configuration prints while the doctor runs goes to stderr
+        with contextlib.redirect_stdout(sys.stderr):
+            target = doctor.load_target(args.target)
+            report = doctor.diagnose(target, settings, spec=args.target, progress=progress)
+    except doctor.UsageError as exc:
+        if exc.detail:
+            print(exc.detail.rstrip(), file=sys.stderr)
+        print(f"safecompile doctor: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception:
+        traceback.print_exc()
+        print(
+            "safecompile doctor: internal error (a bug in safecompile; please report it "
+            "with the traceback above)",
+            file=sys.stderr,
+        )
+        return EXIT_CRASH
+
+    text = json.dumps(report.to_dict(), indent=2, allow_nan=False)
+    if args.json == "-":
+        print(text)
+    else:
+        print(doctor.render_text(report), end="")
+        if args.json:
+            try:
+                with open(args.json, "w", encoding="utf-8") as f:
+                    f.write(text + "\n")
+            except OSError as exc:
+                print(
+                    f"safecompile doctor: error: cannot write {args.json}: {exc}", file=sys.stderr
+                )
+                return EXIT_USAGE
+    return report.exit_code
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
