@@ -22,6 +22,8 @@ import torch
 
 from . import _killswitch as ks
 from ._backend import CompilerFn, compile_function
+from ._buckets import Bucketer, BucketError, CutSpec, Plan
+from ._compare import compare
 from ._model import Event, EventKind, Reason, State, Stats
 from ._policies import Rollback, Shadow
 from ._shadow import ShadowRunner
@@ -100,6 +102,10 @@ class Entry:
     graphs: int = 0
     compile_s: float = 0.0
     why_eager: str | None = None
+    cuts: CutSpec | None = None  # bucketed: how to cut this bucket's outputs back
+    padded_calls: int = 0
+    padded_elements: int = 0  # bucketed: padding waste, in bucketed-dim positions
+    real_elements: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -132,8 +138,11 @@ class Controller:
         sink: Sink,
         clock: Clock,
         module: torch.nn.Module | None = None,
+        bucketer: Bucketer | None = None,
     ) -> None:
         self.name = name
+        self._bucketer = bucketer
+        self._pad = bucketer is not None and bucketer.policy.strategy == "pad"
         self._fn = fn
         self._key = key
         self._opts = compile_options
@@ -222,6 +231,9 @@ class Controller:
         slow = self._slow
         recover = self._recover
 
+        if self._bucketer is not None:
+            return self._bucketed_entrypoint()
+
         def guarded(*args: Any, **kwargs: Any) -> Any:
             if env_token() is not self._sw_token or switch.generation != self._sw_generation:
                 refresh()
@@ -239,6 +251,58 @@ class Controller:
                             entry.calls += 1
                         return out
                     return recover(failure, entry, args, kwargs)
+            return slow(args, kwargs)
+
+        return guarded
+
+    def _bucketed_entrypoint(self) -> Callable[..., Any]:
+        """The hot path with buckets: plan, pad, call, cut back (see :meth:`entrypoint`)."""
+        bucketer = self._bucketer
+        assert bucketer is not None
+        entries = self._entries
+        plan_of = bucketer.plan
+        pad = bucketer.pad
+        unpad = bucketer.unpad
+        pads = self._pad
+        lock = self._lock
+        switch = ks.SWITCH
+        env_token = ks.env_token
+        refresh = self._refresh_switch
+        slow = self._slow
+        recover = self._recover
+
+        def guarded(*args: Any, **kwargs: Any) -> Any:
+            if env_token() is not self._sw_token or switch.generation != self._sw_generation:
+                refresh()
+            if self._fast:
+                plan = plan_of(args, kwargs)
+                if plan is not None and plan.status == "bucketed":
+                    entry = entries.get(plan.key)
+                    padded = pads and plan.padded
+                    if (
+                        entry is not None
+                        and entry.countdown > 0
+                        and (entry.cuts is not None or not padded)
+                    ):
+                        entry.countdown -= 1
+                        try:
+                            if padded:
+                                a, k = pad(plan, args, kwargs)
+                                out = unpad(plan, self._compiled(*a, **k), entry.cuts)
+                            else:
+                                out = self._compiled(*args, **kwargs)
+                        except Exception as exc:  # noqa: BLE001 - answered below
+                            failure: Exception = exc
+                        else:
+                            with lock:
+                                self._compiled_calls += 1
+                                entry.calls += 1
+                                if padded:
+                                    entry.padded_calls += 1
+                                    entry.padded_elements += plan.size - plan.length
+                                    entry.real_elements += plan.length
+                            return out
+                        return recover(failure, entry, args, kwargs)
             return slow(args, kwargs)
 
         return guarded
@@ -303,7 +367,13 @@ class Controller:
         with self._lock:
             self._warming += 1
         try:
-            self._slow(args, kwargs, warmup=True)
+            bucketer = self._bucketer
+            if bucketer is None:
+                self._slow(args, kwargs, warmup=True)
+                return
+            for length in bucketer.warmup_lengths():  # every bucket, before traffic
+                sized_args, sized_kwargs = bucketer.resize(args, kwargs, length)
+                self._slow(sized_args, sized_kwargs, warmup=True)
         finally:
             with self._lock:
                 self._warming -= 1
@@ -356,6 +426,13 @@ class Controller:
                     "compile_s": e.compile_s,
                     "canary_left": e.canary_left,
                     "why_eager": e.why_eager,
+                    "padded_calls": e.padded_calls,
+                    "padding_waste": (
+                        e.padded_elements / (e.padded_elements + e.real_elements)
+                        if e.padded_elements
+                        else 0.0
+                    ),
+                    "cut": e.cuts.describe() if e.cuts is not None else None,
                     **e.extra,
                 }
                 for e in self._entries.values()
@@ -388,13 +465,17 @@ class Controller:
         elif self._rollout < 1.0 and not warmup and not self._pick_compiled():
             return self._eager(args, kwargs)
         try:
-            key = self._key(args, kwargs)
+            key, plan = self._route(args, kwargs)
+            if key is None:
+                return self._eager(args, kwargs, warmup=warmup)
             entry = self._entries.get(key)
             if entry is None:
-                entry = self._claim_new_entry(key, args, kwargs)
+                entry = self._claim_new_entry(key, args, kwargs, plan)
                 if entry is None:
                     return self._eager(args, kwargs, warmup=warmup)
-                return self._run(entry, args, kwargs, first=True, check=True, warmup=warmup)
+                return self._run(
+                    entry, args, kwargs, plan, first=True, check=True, warmup=warmup
+                )
             compiling = self._compiling_thread
             if compiling is not None and compiling != threading.get_ident():
                 # While this callable compiles, eager serves every call: torch 2.13 can
@@ -409,16 +490,32 @@ class Controller:
             check = trial or warmup or entry.countdown <= 0
             if not check:
                 entry.countdown -= 1
-            return self._run(entry, args, kwargs, first=False, check=check, warmup=warmup)
+            return self._run(entry, args, kwargs, plan, first=False, check=check, warmup=warmup)
         finally:
             if trial:
                 self._end_trial()
 
+    def _route(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> tuple[_Key | None, Plan | None]:
+        """The entry key for a call (``None``: run it eager), and its bucket plan."""
+        bucketer = self._bucketer
+        if bucketer is None:
+            return self._key(args, kwargs), None
+        plan = bucketer.plan(args, kwargs)
+        if plan is None or plan.status == "unbucketable":
+            return ("unbucketed", self._key(args, kwargs)), None
+        if plan.status == "oversize":
+            if bucketer.policy.oversize == "eager":
+                return None, plan
+            return ("oversize", self._key(args, kwargs)), None
+        return plan.key, plan
+
     def _claim_new_entry(
-        self, key: _Key, args: tuple[Any, ...], kwargs: dict[str, Any]
+        self, key: _Key, args: tuple[Any, ...], kwargs: dict[str, Any], plan: Plan | None
     ) -> Entry | None:
         """Make the entry for a new shape and own its compile, or say to run eager."""
-        label = _label(key)
+        label = plan.describe() if plan is not None else _label(key)
         with self._lock:
             if key in self._entries or self._compiling_thread is not None:
                 return None  # single flight: someone is compiling; eager serves meanwhile
@@ -459,18 +556,38 @@ class Controller:
         entry: Entry,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
+        plan: Plan | None,
         *,
         first: bool,
         check: bool,
         warmup: bool,
     ) -> Any:
         """Call the compiled function, with a shadow check when one is due."""
-        check = check and self.shadow.wants_check(entry, first=first)
-        prepared = self.shadow.prepare(args, kwargs) if check else None
+        padded = plan is not None and plan.padded and self._pad
+        learn = padded and entry.cuts is None
+        call_args, call_kwargs = args, kwargs
+        if padded and plan is not None:
+            assert self._bucketer is not None
+            try:
+                call_args, call_kwargs = self._bucketer.pad(plan, args, kwargs)
+            except BucketError as exc:
+                self._reject_bucket(entry, f"padding failed: {exc}", first=first)
+                return self._eager(args, kwargs, warmup=warmup)
+            with self._lock:
+                entry.padded_calls += 1
+                entry.padded_elements += plan.size - plan.length
+                entry.real_elements += plan.length
+        elif first and plan is not None and not self._pad:
+            self._mark_dynamic_range(plan, args, kwargs)
+        check = not learn and check and self.shadow.wants_check(entry, first=first)
+        prepared = self.shadow.prepare(args, kwargs) if (check or learn) else None
+        if learn and prepared is None:
+            self._reject_bucket(entry, "inputs could not be copied to verify padding", first=first)
+            return self._eager(args, kwargs, warmup=warmup)
         self._tls.graphs = []
         started = self._clock()
         try:
-            out = self._compiled(*args, **kwargs)
+            out = self._compiled(*call_args, **call_kwargs)
         except Exception as exc:
             failure: Exception | None = exc
         else:
@@ -488,6 +605,19 @@ class Controller:
             return self._recover(failure, entry, args, kwargs, graphs=graphs, warmup=warmup)
         if first:
             self._compiled_entry(entry, graphs, self._clock() - started)
+        if learn and plan is not None and prepared is not None:
+            compiled_ok, result = self._learn_bucket(entry, plan, out, prepared, args, kwargs)
+            self._count(compiled=compiled_ok, entry=entry, warmup=warmup)
+            if compiled_ok:
+                self._after_check(entry)
+            return result
+        if padded and plan is not None:
+            assert self._bucketer is not None
+            try:
+                out = self._bucketer.unpad(plan, out, entry.cuts)
+            except BucketError as exc:
+                self._reject_bucket(entry, f"outputs could not be cut back: {exc}", first=False)
+                return self._eager(args, kwargs, warmup=warmup)
         if prepared is None:
             self._count(compiled=True, entry=entry, warmup=warmup)
             return out
@@ -507,6 +637,107 @@ class Controller:
         self._count(compiled=True, entry=entry, warmup=warmup)
         self._after_check(entry)
         return out
+
+    def _learn_bucket(
+        self,
+        entry: Entry,
+        plan: Plan,
+        padded_out: Any,
+        prepared: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> tuple[bool, Any]:
+        """A bucket's first padded call: learn its output cut and verify its padding
+        against unpadded eager (always, shadow checks on or off). Returns whether the
+        compiled result is served, and the result."""
+        bucketer = self._bucketer
+        assert bucketer is not None
+        copies_args, copies_kwargs = prepared.copies
+        eager_out = self._fn(*copies_args, **copies_kwargs)
+        try:
+            if bucketer.policy.outputs is not None:
+                cuts = bucketer.declared_cuts(plan, padded_out)
+            else:
+                cuts = bucketer.learn_cuts(plan, padded_out, eager_out)
+            out = bucketer.unpad(plan, padded_out, cuts)
+        except (BucketError, ValueError) as exc:
+            self._reject_bucket(entry, f"outputs cannot be cut back: {exc}", first=False)
+            return False, eager_out
+        policy = self._shadow_policy
+        rtol, atol = (policy.rtol, policy.atol) if policy is not None else (None, None)
+        result = compare(out, eager_out, rtol=rtol, atol=atol)
+        self.shadow.note(entry, result, canary=True)
+        if result.ok:
+            with self._lock:
+                entry.cuts = cuts
+            return True, out
+        # Padding's fault, or the compiler's? Eager on the padded inputs tells.
+        with torch.no_grad():
+            padded_args, padded_kwargs = bucketer.pad(plan, args, kwargs)
+            padded_eager = bucketer.unpad(plan, self._fn(*padded_args, **padded_kwargs), cuts)
+        padding = compare(padded_eager, eager_out, rtol=rtol, atol=atol)
+        if not padding.ok:
+            self._reject_bucket(
+                entry,
+                f"padding changed the result: {padding.reason}",
+                first=False,
+                max_abs=padding.max_abs,
+                max_rel=padding.max_rel,
+            )
+        else:
+            self._trip(
+                Reason.DRIFT,
+                message=result.reason or "outputs differ",
+                entry=entry,
+                max_abs=result.max_abs,
+                max_rel=result.max_rel,
+            )
+        return False, eager_out
+
+    def _reject_bucket(
+        self,
+        entry: Entry,
+        why: str,
+        *,
+        first: bool,
+        max_abs: float | None = None,
+        max_rel: float | None = None,
+    ) -> None:
+        """Stop using a bucket: its calls run eager from now on (the callable stays up)."""
+        with self._lock:
+            entry.status = _Status.EAGER
+            entry.why_eager = "bucket_rejected"
+            if first and self._compiling_thread == threading.get_ident():
+                self._compiling_thread = None
+                self._update_fast()
+        self._record(
+            Event(
+                kind=EventKind.BUCKET_REJECTED,
+                reason=Reason.DRIFT,
+                time=time.time(),
+                bucket=entry.label,
+                message=truncate(f"bucket not used: {why}"),
+                max_abs_diff=max_abs,
+                max_rel_diff=max_rel,
+                **_location_kwargs(self._fn_location),
+            )
+        )
+
+    def _mark_dynamic_range(
+        self, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        """``strategy="dynamic"``: bound the new graph to its bucket's range of lengths."""
+        bucketer = self._bucketer
+        assert bucketer is not None
+        sizes = bucketer.policy.sizes
+        index = sizes.index(plan.size) if plan.size in sizes else -1
+        low = max(2, sizes[index - 1] + 1 if index > 0 else 2)
+        if plan.length < low or plan.size <= low:
+            return  # a one-length range (or a length dynamo specialises): a static graph
+        for target in plan.targets:
+            tensor = args[target.where] if isinstance(target.where, int) else kwargs[target.where]
+            for dim in bucketer.policy.dims[target.name]:  # type: ignore[union-attr]
+                torch._dynamo.mark_dynamic(tensor, dim, min=low, max=plan.size)
 
     def _compiled_entry(self, entry: Entry, graphs: list[dict[str, Any]], seconds: float) -> None:
         """Note a shape's first successful compiled call (and the graphs it compiled)."""
@@ -554,6 +785,9 @@ class Controller:
         warmup: bool = False,
     ) -> Any:
         """The compiled path raised: answer with eager's result, or eager's own error."""
+        if isinstance(failure, BucketError):  # padding or cutting back, not the compiler
+            self._reject_bucket(entry, str(failure), first=False)
+            return self._eager(args, kwargs)
         reason = (
             Reason.COMPILE_ERROR if isinstance(failure, _COMPILE_ERRORS) else Reason.RUNTIME_ERROR
         )

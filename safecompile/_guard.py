@@ -13,6 +13,7 @@ from typing import Any, Protocol, TypeVar, overload, runtime_checkable
 import torch
 
 from ._backend import backend_name, build_compiler, validate_compile_options
+from ._buckets import Bucketer
 from ._controller import Clock, CompileOptions, Controller, Sink
 from ._errors import ConfigError
 from ._policies import Buckets, Rollback, Shadow, Warmup
@@ -218,9 +219,41 @@ class _Config:
         self.clock = given.get("clock", time.perf_counter)
         if not callable(self.clock):
             raise ConfigError("safe_compile(clock=...) must be a callable returning seconds")
+        if self.buckets is not None:
+            self._fit_buckets(given)
         self.tracer_provider = given.get("tracer_provider")
         self.meter_provider = given.get("meter_provider")
         return self
+
+
+    def _fit_buckets(self, given: dict[str, Any]) -> None:
+        """Make torch.compile's settings agree with the buckets."""
+        buckets = self.buckets
+        assert buckets is not None
+        graphs = len(buckets.sizes)
+        if "rollback" not in given:
+            self.rollback = Rollback(max_recompiles=max(self.rollback.max_recompiles, graphs))
+        elif self.rollback.max_recompiles < graphs:
+            raise ConfigError(
+                f"safe_compile(rollback=Rollback(max_recompiles={self.rollback.max_recompiles}))"
+                f" is below the number of bucket sizes ({graphs}): buckets past the limit "
+                "would never compile; raise max_recompiles or use fewer sizes"
+            )
+        if buckets.strategy == "pad":
+            if self.dynamic is None:
+                # static padded shapes: automatic dynamic would fold the buckets into one
+                # dynamic graph, and pay for the padding anyway
+                self.dynamic = False
+            elif self.dynamic:
+                raise ConfigError(
+                    "safe_compile(dynamic=True) with Buckets(strategy='pad') pads to static "
+                    "sizes for nothing; use Buckets(strategy='dynamic') or dynamic=None"
+                )
+        elif self.dynamic is False:
+            raise ConfigError(
+                "safe_compile(dynamic=False) contradicts Buckets(strategy='dynamic'), "
+                "which compiles one dynamic graph per range; use dynamic=None"
+            )
 
 
 def _policy(given: dict[str, Any], name: str, kind: type, default: Any) -> Any:
@@ -303,6 +336,7 @@ def _controller(
         meter_provider=config.meter_provider,
     )
     clock: Clock = config.clock
+    bucketer = Bucketer(config.buckets, fn) if config.buckets is not None else None
     return Controller(
         name=name,
         fn=fn,
@@ -314,6 +348,7 @@ def _controller(
         sink=sink,
         clock=clock,
         module=module,
+        bucketer=bucketer,
     )
 
 

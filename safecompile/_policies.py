@@ -124,6 +124,11 @@ class Buckets:
     argument; an input longer than the largest size runs eager (``oversize="eager"``)
     or compiles its own shape (``"compile"``).
 
+    ``strategy="pad"`` (default) pads to static shapes, one graph per size (what CUDA
+    graphs and ``mode="reduce-overhead"`` need). ``strategy="dynamic"`` pads nothing:
+    each range between two sizes gets one dynamic graph bounded by
+    ``torch._dynamo.mark_dynamic(min=..., max=...)``, so no padded work is done.
+
     ``outputs`` says which output dims are cut back to the original length. ``None``
     (default) learns it per bucket by comparing the padded output with unpadded eager's:
     a dim is cut where padding changed it from the length to the bucket size. An int
@@ -139,6 +144,7 @@ class Buckets:
     pad_value: float | Mapping[str, float] = 0
     oversize: Literal["eager", "compile"] = "eager"
     outputs: OutputDims | Mapping[str, OutputDims] | None = None
+    strategy: Literal["pad", "dynamic"] = "pad"
 
     def __post_init__(self) -> None:
         owner = "Buckets"
@@ -192,6 +198,7 @@ class Buckets:
                 )
         if isinstance(self.pad_value, Mapping):
             object.__setattr__(self, "pad_value", dict(self.pad_value))
+        _check_choice(owner, "strategy", self.strategy, ("pad", "dynamic"))
         _check_choice(owner, "oversize", self.oversize, ("eager", "compile"))
         object.__setattr__(self, "outputs", _normal_outputs(self.outputs))
 

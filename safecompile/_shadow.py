@@ -263,6 +263,10 @@ class ShadowRunner:
                 )
         return result
 
+    def note(self, entry: Entry, result: Comparison, *, canary: bool) -> None:
+        """Count a comparison the controller made itself (a bucket's padding check)."""
+        self._note(entry, result, None, None, canary)
+
     def _tolerances(self) -> tuple[float | None, float | None]:
         policy = self._policy
         return (policy.rtol, policy.atol) if policy is not None else (None, None)
