@@ -23,6 +23,7 @@ import torch
 from . import _killswitch as ks
 from ._backend import CompilerFn, compile_function
 from ._buckets import Bucketer, BucketError, CutSpec, Plan
+from ._cache import Verdict, VerdictStore, artifact_key, cache_root, use_torch_caches
 from ._compare import compare
 from ._model import Event, EventKind, Reason, State, Stats
 from ._policies import Rollback, Shadow
@@ -193,6 +194,14 @@ class Controller:
         self._limit_reported = False
         self._random_op: str | None = None
 
+        # persisted verdicts (SAFECOMPILE_CACHE_DIR): known compile failures survive restarts
+        root = cache_root()
+        self._store = VerdictStore(root) if root is not None else None
+        if root is not None:
+            use_torch_caches(root)
+        self._verdict_key: str | None = None
+        self._verdict_checked = False
+
         self.shadow = ShadowRunner(
             policy=shadow,
             rollback=rollback,
@@ -291,7 +300,7 @@ class Controller:
                                 out = unpad(plan, self._compiled(*a, **k), entry.cuts)
                             else:
                                 out = self._compiled(*args, **kwargs)
-                        except Exception as exc:  # noqa: BLE001 - answered below
+                        except Exception as exc:
                             failure: Exception = exc
                         else:
                             with lock:
@@ -411,6 +420,9 @@ class Controller:
             self._graphs = 0
             self._hidden_graphs = 0
             self._random_op = None
+            self._verdict_checked = False
+            if self._store is not None and self._verdict_key is not None:
+                self._store.clear(self._verdict_key)
             self.shadow.reset()
             self._update_fast()
         self._record(Event(kind=EventKind.RESET, time=time.time(), message="reset()"))
@@ -470,12 +482,12 @@ class Controller:
                 return self._eager(args, kwargs, warmup=warmup)
             entry = self._entries.get(key)
             if entry is None:
+                if self._store is not None and self._known_failure(args, kwargs):
+                    return self._eager(args, kwargs, warmup=warmup)
                 entry = self._claim_new_entry(key, args, kwargs, plan)
                 if entry is None:
                     return self._eager(args, kwargs, warmup=warmup)
-                return self._run(
-                    entry, args, kwargs, plan, first=True, check=True, warmup=warmup
-                )
+                return self._run(entry, args, kwargs, plan, first=True, check=True, warmup=warmup)
             compiling = self._compiling_thread
             if compiling is not None and compiling != threading.get_ident():
                 # While this callable compiles, eager serves every call: torch 2.13 can
@@ -494,6 +506,69 @@ class Controller:
         finally:
             if trial:
                 self._end_trial()
+
+    def _known_failure(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        """Whether a persisted verdict says this code fails to compile here (checked once
+        per process, before the first compile): then trip without compiling again."""
+        with self._lock:
+            if self._verdict_checked:
+                return False
+            self._verdict_checked = True
+        assert self._store is not None
+        key = self._artifact_key(args, kwargs)
+        verdict = self._store.get(key) if key is not None else None
+        if verdict is None or verdict.kind != "compile_failed":
+            return False
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(verdict.time))
+        self._trip(
+            Reason.COMPILE_ERROR,
+            message=(
+                f"known compile failure, persisted {when} UTC under this code, torch, Python "
+                f"and device ({verdict.error_type}: {verdict.message}); not retried until "
+                "one of them changes or reset()"
+            ),
+        )
+        return True
+
+    def _artifact_key(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        if self._verdict_key is None:
+            device = next(
+                (t.device for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)),
+                torch.device("cpu"),
+            )
+            opts = self._opts
+            try:
+                self._verdict_key = artifact_key(
+                    self._module if self._module is not None else self._fn,
+                    backend=opts.backend_label,
+                    mode=opts.mode,
+                    options=opts.options,
+                    dynamic=opts.dynamic,
+                    device=device,
+                    extra={"fullgraph": opts.fullgraph},
+                )
+            except Exception:
+                return None
+        return self._verdict_key
+
+    def _persist_failure(
+        self, error: BaseException, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        if self._store is None:
+            return
+        key = self._artifact_key(args, kwargs)
+        if key is not None:
+            self._store.put(
+                key,
+                Verdict(
+                    kind="compile_failed",
+                    time=time.time(),
+                    name=self.name,
+                    reason=Reason.COMPILE_ERROR.value,
+                    error_type=error_type_name(error),
+                    message=safe_message(error),
+                ),
+            )
 
     def _route(
         self, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -810,6 +885,7 @@ class Controller:
             del failure  # eager raises too: the user's own error, not the compiler's
             raise user_error
         if reason is Reason.COMPILE_ERROR:
+            self._persist_failure(failure, args, kwargs)
             with self._lock:
                 self._compile_errors += 1
             where, details = self._error_where(failure)
@@ -1019,7 +1095,7 @@ class Controller:
     def _on_graph(self, gm: torch.fx.GraphModule) -> None:
         """Called by the backend for every graph dynamo hands it (on the compiling thread)."""
         breaks = graph_breaks_of(gm, include_resumed=True)
-        random_op = _random_op_in(gm)
+        random_op = random_op_in(gm)
         graphs: list[dict[str, Any]] | None = getattr(self._tls, "graphs", None)
         with self._lock:
             self._graphs += 1
@@ -1060,7 +1136,7 @@ class _GuardBackend:
             return compiler(gm, example_inputs)
 
 
-def _random_op_in(gm: torch.fx.GraphModule) -> str | None:
+def random_op_in(gm: torch.fx.GraphModule) -> str | None:
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
             continue

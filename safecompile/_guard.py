@@ -225,7 +225,6 @@ class _Config:
         self.meter_provider = given.get("meter_provider")
         return self
 
-
     def _fit_buckets(self, given: dict[str, Any]) -> None:
         """Make torch.compile's settings agree with the buckets."""
         buckets = self.buckets

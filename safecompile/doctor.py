@@ -40,7 +40,7 @@ from torch.utils import _pytree as pytree
 
 from ._backend import backend_name, build_compiler, validate_compile_options
 from ._compare import compare
-from ._controller import _random_op_in
+from ._controller import random_op_in
 from ._errors import ConfigError
 from ._guard import safe_compile
 from ._model import Event, EventKind, State
@@ -446,7 +446,7 @@ class _Recorder:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         breaks = tuple(graph_breaks_of(gm, include_resumed=True))
-        random_op = _random_op_in(gm)
+        random_op = random_op_in(gm)
         started = time.perf_counter()
         try:
             return self._compiler(gm, example_inputs)
