@@ -162,6 +162,8 @@ class Controller:
         self._compiled: Callable[..., Any] = self._make_compiled()
         self._compiling_thread: int | None = None
         self._warming = 0
+        self._warm = threading.Event()  # set once no background warmup is pending
+        self._warm.set()
 
         # kill switch cache: re-evaluated when the environment or code switch changes
         self._sw_token: object = object()
@@ -327,7 +329,8 @@ class Controller:
             return State.ROLLED_BACK
         ready = [e for e in list(self._entries.values()) if e.status is _Status.READY]
         if not ready:
-            return State.WARMING if (self._compiling_thread or self._warming) else State.PENDING
+            busy = self._compiling_thread or self._warming or not self._warm.is_set()
+            return State.WARMING if busy else State.PENDING
         if self.shadow.active and any(e.canary_left > 0 for e in ready):
             return State.CANARY
         return State.COMPILED
@@ -386,6 +389,14 @@ class Controller:
         finally:
             with self._lock:
                 self._warming -= 1
+
+    def wait_warm(self, timeout: float | None = None) -> bool:
+        """Block until a background warmup has finished (``True``), or ``timeout`` passed.
+
+        For readiness probes: report ready once the compiled path is warm. Returns at
+        once when there is no background warmup.
+        """
+        return self._warm.wait(timeout)
 
     def note_warmup_error(self, error: BaseException) -> None:
         """A background warmup example raised eagerly too: record it; eager keeps serving."""

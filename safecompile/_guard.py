@@ -371,7 +371,10 @@ def _start_warmup(controller: Controller, config: _Config) -> None:
             run()
         except Exception as exc:
             controller.note_warmup_error(exc)
+        finally:
+            controller._warm.set()
 
+    controller._warm.clear()
     threading.Thread(
         target=run_in_background, name=f"safecompile-warmup:{controller.name}", daemon=True
     ).start()
