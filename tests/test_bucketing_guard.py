@@ -65,7 +65,7 @@ def total(x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("shadow", [None, "default"])
 def test_harmful_padding_is_caught_even_without_shadow(shadow: str | None) -> None:
-    """A reduction over the padded dim with pad value 1: the bucket is not used, results stay right."""
+    """A sum over the padded dim with pad value 1: that bucket is unused, results stay right."""
     options = {} if shadow == "default" else {"shadow": None}
     g = safe_compile(
         total,
