@@ -688,7 +688,9 @@ class Controller:
                 self._compiling_thread = None
                 self._update_fast()
         if failure is not None:
-            return self._recover(failure, entry, args, kwargs, graphs=graphs, warmup=warmup)
+            return self._recover(
+                failure, entry, args, kwargs, graphs=graphs, warmup=warmup, seconds=elapsed
+            )
         if first:
             self._compiled_entry(entry, graphs, self._clock() - started)
         if learn and plan is not None and prepared is not None:
@@ -869,6 +871,7 @@ class Controller:
         *,
         graphs: list[dict[str, Any]] | None = None,
         warmup: bool = False,
+        seconds: float | None = None,
     ) -> Any:
         """The compiled path raised: answer with eager's result, or eager's own error."""
         if isinstance(failure, BucketError):  # padding or cutting back, not the compiler
@@ -908,6 +911,7 @@ class Controller:
                     kind=EventKind.COMPILE_FAILED,
                     reason=reason,
                     time=time.time(),
+                    duration_s=seconds,
                     bucket=entry.label,
                     error_type=error_type_name(failure),
                     message=safe_message(failure),
@@ -1167,7 +1171,22 @@ def _breaks(graphs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _label(key: _Key) -> str:
-    return truncate(str(key), 200)
+    """A shape key as short text: ``8x32:float32``; shapes, dtypes and types only."""
+    return truncate(_describe(key), 200)
+
+
+def _describe(part: object) -> str:
+    if isinstance(part, torch.Size):
+        return "x".join(map(str, part)) or "scalar"
+    if isinstance(part, torch.dtype):
+        return str(part).removeprefix("torch.")
+    if isinstance(part, type):
+        return part.__name__
+    if isinstance(part, tuple):
+        if len(part) >= 2 and isinstance(part[0], torch.Size):
+            return ":".join(_describe(p) for p in part)  # one tensor: shape, dtype, device
+        return ", ".join(_describe(p) for p in part)
+    return str(part)
 
 
 def _location_kwargs(where: SourceLocation | None) -> dict[str, Any]:
