@@ -76,7 +76,9 @@ def main() -> None:
     )
 
     torch.manual_seed(0)
-    print(f"torch {torch.__version__}, safecompile {safecompile.__version__}, backend={args.backend}")
+    print(
+        f"torch {torch.__version__}, safecompile {safecompile.__version__}, backend={args.backend}"
+    )
 
     # 1. A model, guarded in place: same object, same state_dict keys.
     model = safe_compile(

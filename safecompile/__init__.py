@@ -11,7 +11,7 @@ from ._errors import ConfigError
 from ._guard import Guarded, safe_compile
 from ._killswitch import ENV_VAR, disable, enable
 from ._model import Event, EventKind, Reason, State, Stats
-from ._policies import Buckets, Rollback, Shadow, Warmup, pow2
+from ._policies import Buckets, Rollback, Shadow, Warmup, pow2, steps
 from ._telemetry import configure
 from ._version import __version__
 
@@ -34,4 +34,5 @@ __all__ = [
     "enable",
     "pow2",
     "safe_compile",
+    "steps",
 ]
