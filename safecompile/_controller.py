@@ -829,31 +829,37 @@ class Controller:
 
     def _compiled_entry(self, entry: Entry, graphs: list[dict[str, Any]], seconds: float) -> None:
         """Note a shape's first successful compiled call (and the graphs it compiled)."""
-        breaks = _breaks(graphs)
         with self._lock:
             entry.status = _Status.READY
             policy = self._shadow_policy
             entry.canary_left = policy.canary if policy is not None else 0
             entry.countdown = self.shadow.next_countdown(entry)
-            if graphs:
-                self._compiles += 1
-                self._graph_breaks += len(breaks)
-                self._compile_s += seconds
-                entry.graphs += len(graphs)
-                entry.compile_s += seconds
             self._update_fast()
         if graphs:
-            self._record(
-                Event(
-                    kind=EventKind.COMPILED,
-                    time=time.time(),
-                    bucket=entry.label,
-                    duration_s=seconds,
-                    message=f"compiled {len(graphs)} graph(s) with {len(breaks)} graph break(s)",
-                    details={"graphs": len(graphs), "graph_breaks": breaks},
-                    **_location_kwargs(self._fn_location),
-                )
+            self._note_compile(entry, graphs, seconds)
+
+    def _note_compile(
+        self, entry: Entry, graphs: list[dict[str, Any]], seconds: float, note: str = ""
+    ) -> None:
+        """Count one compile (the graphs one call compiled) and record its event."""
+        breaks = _breaks(graphs)
+        with self._lock:
+            self._compiles += 1
+            self._graph_breaks += len(breaks)
+            self._compile_s += seconds
+            entry.graphs += len(graphs)
+            entry.compile_s += seconds
+        self._record(
+            Event(
+                kind=EventKind.COMPILED,
+                time=time.time(),
+                bucket=entry.label,
+                duration_s=seconds,
+                message=f"compiled {len(graphs)} graph(s) with {len(breaks)} graph break(s)" + note,
+                details={"graphs": len(graphs), "graph_breaks": breaks},
+                **_location_kwargs(self._fn_location),
             )
+        )
 
     def _after_check(self, entry: Entry) -> None:
         with self._lock:
@@ -898,6 +904,9 @@ class Controller:
         if user_error is not None:
             del failure  # eager raises too: the user's own error, not the compiler's
             raise user_error
+        if reason is Reason.RUNTIME_ERROR and graphs:
+            # The compile succeeded; the compiled code then failed on its first run.
+            self._note_compile(entry, graphs, seconds or 0.0, "; its first run failed")
         if reason is Reason.COMPILE_ERROR:
             self._persist_failure(failure, args, kwargs)
             with self._lock:

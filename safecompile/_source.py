@@ -396,6 +396,15 @@ def _runtime_location(exc: BaseException) -> tuple[SourceLocation | None, str | 
                 if node is not None:
                     return node, generated
             elif is_user_file(filename):
+                if generated is None:  # user code called from generated code: keep both
+                    generated = next(
+                        (
+                            outer.f_code.co_filename
+                            for outer, _ in candidates
+                            if is_generated_file(outer.f_code.co_filename)
+                        ),
+                        None,
+                    )
                 return _frame_location(frame, lineno), generated
     return None, generated
 
