@@ -11,6 +11,7 @@ on the slow path, where clarity matters more than nanoseconds.
 from __future__ import annotations
 
 import collections
+import copy
 import enum
 import threading
 import time
@@ -163,6 +164,7 @@ class Controller:
         self._compiling_thread: int | None = None
         self._warming = 0
         self._warm = threading.Event()  # set once no background warmup is pending
+        self._idle = threading.Condition(self._lock)  # notified when a compile ends
         self._warm.set()
 
         # kill switch cache: re-evaluated when the environment or code switch changes
@@ -378,6 +380,7 @@ class Controller:
             return
         with self._lock:
             self._warming += 1
+            self._update_fast()
         try:
             bucketer = self._bucketer
             if bucketer is None:
@@ -389,6 +392,7 @@ class Controller:
         finally:
             with self._lock:
                 self._warming -= 1
+                self._update_fast()
 
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Block until a background warmup has finished (``True``), or ``timeout`` passed.
@@ -397,6 +401,17 @@ class Controller:
         once when there is no background warmup.
         """
         return self._warm.wait(timeout)
+
+    def _background_warmup(self, *, pending: bool) -> None:
+        """A background warmup starts (``pending``) or ends: while one is pending, live
+        calls run eager and never touch compiled code (dynamo can miss its own cache and
+        compile again on the caller's thread when a compiled call races a compile)."""
+        with self._lock:
+            if pending:
+                self._warm.clear()
+            else:
+                self._warm.set()
+            self._update_fast()
 
     def note_warmup_error(self, error: BaseException) -> None:
         """A background warmup example raised eagerly too: record it; eager keeps serving."""
@@ -487,6 +502,8 @@ class Controller:
             trial = True
         elif self._rollout < 1.0 and not warmup and not self._pick_compiled():
             return self._eager(args, kwargs)
+        if not warmup and (self._warming or not self._warm.is_set()):
+            return self._eager(args, kwargs)  # a warmup is compiling: eager serves meanwhile
         try:
             key, plan = self._route(args, kwargs)
             if key is None:
@@ -495,7 +512,7 @@ class Controller:
             if entry is None:
                 if self._store is not None and self._known_failure(args, kwargs):
                     return self._eager(args, kwargs, warmup=warmup)
-                entry = self._claim_new_entry(key, args, kwargs, plan)
+                entry = self._claim_new_entry(key, args, kwargs, plan, warmup=warmup)
                 if entry is None:
                     return self._eager(args, kwargs, warmup=warmup)
                 return self._run(entry, args, kwargs, plan, first=True, check=True, warmup=warmup)
@@ -598,11 +615,24 @@ class Controller:
         return plan.key, plan
 
     def _claim_new_entry(
-        self, key: _Key, args: tuple[Any, ...], kwargs: dict[str, Any], plan: Plan | None
+        self,
+        key: _Key,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        plan: Plan | None,
+        *,
+        warmup: bool = False,
     ) -> Entry | None:
-        """Make the entry for a new shape and own its compile, or say to run eager."""
+        """Make the entry for a new shape and own its compile, or say to run eager.
+
+        A warmup waits for a compile in flight instead of skipping its shape (live calls
+        never get here while a warmup is pending: :meth:`_slow` serves them eager).
+        """
         label = plan.describe() if plan is not None else _label(key)
+        me = threading.get_ident()
         with self._lock:
+            while warmup and self._compiling_thread not in (None, me):
+                self._idle.wait(0.1)
             if key in self._entries or self._compiling_thread is not None:
                 return None  # single flight: someone is compiling; eager serves meanwhile
             if self._compiles >= self._rollback_policy.max_recompiles:
@@ -652,6 +682,7 @@ class Controller:
         padded = plan is not None and plan.padded and self._pad
         learn = padded and entry.cuts is None
         call_args, call_kwargs = args, kwargs
+        marked: list[tuple[torch.Tensor, dict[str, Any]]] = []
         if padded and plan is not None:
             assert self._bucketer is not None
             try:
@@ -664,7 +695,7 @@ class Controller:
                 entry.padded_elements += plan.size - plan.length
                 entry.real_elements += plan.length
         elif first and plan is not None and not self._pad:
-            self._mark_dynamic_range(plan, args, kwargs)
+            marked = self._mark_dynamic_range(plan, args, kwargs)
         check = not learn and check and self.shadow.wants_check(entry, first=first)
         prepared = self.shadow.prepare(args, kwargs) if (check or learn) else None
         if learn and prepared is None:
@@ -678,6 +709,8 @@ class Controller:
             failure: Exception | None = exc
         else:
             failure = None
+        finally:
+            _unmark(marked)
         if prepared is not None and failure is None:
             self.shadow.sync_device(out)
         elapsed = self._clock() - started
@@ -686,6 +719,7 @@ class Controller:
         if first:
             with self._lock:
                 self._compiling_thread = None
+                self._idle.notify_all()
                 self._update_fast()
         if failure is not None:
             return self._recover(
@@ -797,6 +831,7 @@ class Controller:
             entry.why_eager = "bucket_rejected"
             if first and self._compiling_thread == threading.get_ident():
                 self._compiling_thread = None
+                self._idle.notify_all()
                 self._update_fast()
         self._record(
             Event(
@@ -813,19 +848,30 @@ class Controller:
 
     def _mark_dynamic_range(
         self, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> None:
-        """``strategy="dynamic"``: bound the new graph to its bucket's range of lengths."""
+    ) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        """``strategy="dynamic"``: bound the new graph to its bucket's range of lengths.
+
+        Marks every bucketed tensor of the call (a call whose length is the bucket size
+        too: ``plan.targets`` only lists the tensors that need padding) and returns what
+        :func:`_unmark` needs to take the marks off again after the call:
+        ``mark_dynamic`` writes attributes on the caller's tensor objects, and left there
+        they would make every other compiled function those tensors reach recompile.
+        """
         bucketer = self._bucketer
         assert bucketer is not None
         sizes = bucketer.policy.sizes
         index = sizes.index(plan.size) if plan.size in sizes else -1
         low = max(2, sizes[index - 1] + 1 if index > 0 else 2)
         if plan.length < low or plan.size <= low:
-            return  # a one-length range (or a length dynamo specialises): a static graph
-        for target in plan.targets:
-            tensor = args[target.where] if isinstance(target.where, int) else kwargs[target.where]
-            for dim in bucketer.policy.dims[target.name]:  # type: ignore[union-attr]
-                torch._dynamo.mark_dynamic(tensor, dim, min=low, max=plan.size)
+            return []  # a one-length range (or a length dynamo specialises): a static graph
+        found, _ = bucketer._find(args, kwargs)
+        marked = []
+        for slot, _, tensor in found:
+            saved = {a: copy.copy(getattr(tensor, a)) for a in _MARKS if hasattr(tensor, a)}
+            marked.append((tensor, saved))
+            for dim in slot.dims:
+                torch._dynamo.mark_dynamic(tensor, dim % tensor.dim(), min=low, max=plan.size)
+        return marked
 
     def _compiled_entry(self, entry: Entry, graphs: list[dict[str, Any]], seconds: float) -> None:
         """Note a shape's first successful compiled call (and the graphs it compiled)."""
@@ -892,6 +938,7 @@ class Controller:
                     del self._entries[self._key(args, kwargs)]
                 if self._compiling_thread == threading.get_ident():
                     self._compiling_thread = None
+                    self._idle.notify_all()
                     self._update_fast()
         user_error: Exception | None = None
         out: Any = None
@@ -1080,6 +1127,8 @@ class Controller:
             and not self._tripped
             and self._rollout >= 1.0
             and self._compiling_thread is None
+            and not self._warming
+            and self._warm.is_set()
         )
 
     def _pick_compiled(self) -> bool:
@@ -1172,6 +1221,26 @@ def random_op_in(gm: torch.fx.GraphModule) -> str | None:
                 continue
             return name
     return None
+
+
+# The attributes torch._dynamo.mark_dynamic sets on a tensor (torch 2.13).
+_MARKS = (
+    "_dynamo_dynamic_indices",
+    "_dynamo_dynamic_range",
+    "_dynamo_hint_overrides",
+    "_specialize_on",
+    "_has_dynamo_dim_marking",
+)
+
+
+def _unmark(marked: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
+    """Put the caller's tensors' dynamo marks back as they were before we marked them."""
+    for tensor, saved in marked:
+        for name in _MARKS:
+            if name in saved:
+                setattr(tensor, name, saved[name])
+            elif hasattr(tensor, name):
+                delattr(tensor, name)
 
 
 def _breaks(graphs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -372,9 +372,9 @@ def _start_warmup(controller: Controller, config: _Config) -> None:
         except Exception as exc:
             controller.note_warmup_error(exc)
         finally:
-            controller._warm.set()
+            controller._background_warmup(pending=False)
 
-    controller._warm.clear()
+    controller._background_warmup(pending=True)
     threading.Thread(
         target=run_in_background, name=f"safecompile-warmup:{controller.name}", daemon=True
     ).start()
