@@ -55,7 +55,7 @@ from typing import Any
 HERE = Path(__file__).resolve()
 LENGTH = 100
 BATCH = 8
-D_MODEL = 256
+D_MODEL = 256  # as bench/_models.py's Block (imported in the child, after torch)
 
 # name: (warmup mode, child options, extra environment). One intra-op thread is the base
 # (as in the other benches): on 2 shared cores torch's default of 2 threads is itself
@@ -102,7 +102,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     sys.path.insert(0, str(HERE.parents[1]))
     import torch
-    from torch import nn
+    from _models import Block
 
     from safecompile import Buckets, Warmup, pow2, safe_compile
 
@@ -111,17 +111,6 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         torch.set_num_threads(args.threads)
     if args.switch:
         sys.setswitchinterval(args.switch)
-
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.layer = nn.TransformerEncoderLayer(
-                D_MODEL, 8, dim_feedforward=4 * D_MODEL, dropout=0.0, batch_first=True
-            )
-
-        def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-            out: torch.Tensor = self.layer(x, src_key_padding_mask=mask)
-            return out
 
     torch.manual_seed(0)
     model = Block().eval()

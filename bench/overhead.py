@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from _models import MLP  # bench/ is on sys.path when a bench runs as a script
 
 from safecompile import ENV_VAR, safe_compile
 
@@ -37,21 +38,6 @@ torch.set_num_threads(1)
 
 def tiny(x: torch.Tensor) -> torch.Tensor:
     return x + 1
-
-
-class MLP(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(512, 512),
-            torch.nn.ReLU(),
-            torch.nn.Linear(512, 512),
-            torch.nn.ReLU(),
-            torch.nn.Linear(512, 512),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.net(x)
 
 
 def per_call(fn: Callable[[], Any], calls: int) -> float:

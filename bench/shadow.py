@@ -47,6 +47,7 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from _models import MLP  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 from safecompile import Shadow, Stats, safe_compile  # noqa: E402
 from safecompile._controller import Controller  # noqa: E402
@@ -64,22 +65,6 @@ VARIANTS: dict[str, Shadow | None] = {
     "async, defaults": Shadow(mode="async"),
     "async, every=1": Shadow(mode="async", every=1),
 }
-
-
-class MLP(torch.nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(512, 512),
-            torch.nn.ReLU(),
-            torch.nn.Linear(512, 512),
-            torch.nn.ReLU(),
-            torch.nn.Linear(512, 512),
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.net(x)
-        return out
 
 
 def transformer_block() -> torch.nn.Module:

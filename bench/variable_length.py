@@ -82,11 +82,11 @@ warnings.filterwarnings("ignore")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from _models import D_MODEL, Block  # noqa: E402  (bench/ is on sys.path as a script)
 from torch import nn  # noqa: E402
 
 from safecompile import Buckets, Warmup, pow2, safe_compile, steps  # noqa: E402
 
-D_MODEL = 256
 MAX_LEN = 512
 DEFAULT = "compile default"
 STATIC = "compile dynamic=False"
@@ -94,20 +94,6 @@ CONTROL = "eager (A/A control)"
 
 
 # ---------------------------------------------------------------- models
-
-
-class Block(nn.Module):
-    """A transformer encoder block with a key-padding mask."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layer = nn.TransformerEncoderLayer(
-            D_MODEL, 8, dim_feedforward=4 * D_MODEL, dropout=0.0, batch_first=True
-        )
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        out: torch.Tensor = self.layer(x, src_key_padding_mask=mask)
-        return out
 
 
 class TokenMLP(nn.Module):
