@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import functools
 import inspect
-import threading
 import time
 import types
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, overload, runtime_checkable
 
 import torch
@@ -16,6 +15,7 @@ from ._backend import backend_name, build_compiler, validate_compile_options
 from ._buckets import Bucketer
 from ._controller import Clock, CompileOptions, Controller, Sink
 from ._errors import ConfigError
+from ._paths import entrypoint, start_background
 from ._policies import Buckets, Rollback, Shadow, Warmup
 from ._telemetry import Telemetry
 
@@ -40,7 +40,7 @@ class Guarded(Protocol):
 
 
 def _make_guarded(controller: Controller, wrapped: Callable[..., Any]) -> Guarded:
-    guarded = controller.entrypoint()
+    guarded = entrypoint(controller)
     functools.update_wrapper(guarded, wrapped)
     guarded.safecompile = controller  # type: ignore[attr-defined]
     return guarded  # type: ignore[return-value]
@@ -56,7 +56,7 @@ class _ModuleForward:
     __slots__ = ("__wrapped__", "_call", "safecompile")
 
     def __init__(self, controller: Controller, forward: Callable[..., Any]) -> None:
-        self._call = controller.entrypoint()
+        self._call = entrypoint(controller)
         self.safecompile = controller
         self.__wrapped__ = forward
 
@@ -64,12 +64,12 @@ class _ModuleForward:
         return self._call(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        module = self.safecompile._module
+        module = self.safecompile.module
         assert module is not None
         return _plain_forward(memo.get(id(module), module))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        module = self.safecompile._module
+        module = self.safecompile.module
         assert module is not None
         return (_plain_forward, (module,))
 
@@ -79,33 +79,6 @@ class _ModuleForward:
 
 def _plain_forward(module: torch.nn.Module) -> Callable[..., Any]:
     return types.MethodType(type(module).forward, module)
-
-
-def _shape_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
-    """One key per input signature dynamo would compile a graph for: tensor shapes and dtypes."""
-    if not kwargs and len(args) == 1:
-        a = args[0]
-        if type(a) is torch.Tensor:
-            return (a.shape, a.dtype)
-    return _generic_key(args, kwargs)
-
-
-def _generic_key(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable:
-    parts: list[Hashable] = [_part(a) for a in args]
-    for name, value in kwargs.items():
-        parts.append(name)
-        parts.append(_part(value))
-    return tuple(parts)
-
-
-def _part(value: Any) -> Hashable:
-    if isinstance(value, torch.Tensor):
-        return (value.shape, value.dtype, value.device.type)
-    if isinstance(value, list | tuple):
-        return (type(value), tuple(_part(v) for v in value))
-    if isinstance(value, dict):
-        return (dict, tuple((k, _part(v)) for k, v in value.items()))
-    return (type(value),)  # scalars: dynamo specialises, then goes dynamic; not our key
 
 
 @overload
@@ -120,17 +93,60 @@ def safe_compile(fn: F, /, **options: Any) -> F: ...
 def safe_compile(fn: None = None, /, **options: Any) -> Callable[[F], F]: ...
 
 
-def safe_compile(fn: Any = None, /, **options: Any) -> Any:
+def safe_compile(
+    fn: Any = None,
+    /,
+    *,
+    backend: str | Callable[..., Any] = "inductor",
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+    dynamic: bool | None = None,
+    fullgraph: bool = False,
+    name: str | None = None,
+    buckets: Buckets | None = None,
+    warmup: Warmup | None = None,
+    shadow: Shadow | None = _DEFAULT_SHADOW,
+    rollback: Rollback = _DEFAULT_ROLLBACK,
+    rollout: float = 1.0,
+    tracer_provider: Any = None,
+    meter_provider: Any = None,
+    clock: Clock = time.perf_counter,
+    **unknown: object,
+) -> Any:
     """Guard ``torch.compile`` on a function, a method or an ``nn.Module``.
 
     Forms: ``@safe_compile``, ``@safe_compile(...)``, ``safe_compile(fn, ...)`` and
-    ``safe_compile(module, ...)`` (the module is guarded in place and returned). Options:
-    ``torch.compile``'s own (``backend``, ``mode``, ``options``, ``dynamic``,
-    ``fullgraph``) and safecompile's (``name``, ``buckets``, ``warmup``, ``shadow``,
-    ``rollback``, ``rollout``, ``tracer_provider``, ``meter_provider``, ``clock``).
-    Bad options raise :class:`ConfigError` now, not on the first call.
+    ``safe_compile(module, ...)`` (the module is guarded in place and returned).
+
+    ``backend``, ``mode``, ``options``, ``dynamic`` and ``fullgraph`` go to
+    ``torch.compile`` unchanged. ``name`` is the stable name (kill switch, telemetry,
+    persisted verdicts). ``buckets`` pads variable dims to bounded sizes; ``warmup``
+    compiles before traffic; ``shadow`` compares compiled outputs with eager (``None``:
+    off); ``rollback`` says when to leave the compiled path and when to retry;
+    ``rollout`` routes that share of calls to the compiled path; ``tracer_provider`` /
+    ``meter_provider`` default to OpenTelemetry's globals; ``clock`` (monotonic
+    seconds) is injected by tests. Bad options raise :class:`ConfigError` now, not on
+    the first call.
     """
-    config = _Config.build(options)
+    given: dict[str, Any] = {
+        "backend": backend,
+        "mode": mode,
+        "options": options,
+        "dynamic": dynamic,
+        "fullgraph": fullgraph,
+        "name": name,
+        "buckets": buckets,
+        "warmup": warmup,
+        "shadow": shadow,
+        "rollout": rollout,
+        "tracer_provider": tracer_provider,
+        "meter_provider": meter_provider,
+        "clock": clock,
+        **unknown,
+    }
+    if rollback is not _DEFAULT_ROLLBACK:
+        given["rollback"] = rollback
+    config = _Config.build(given)
     if fn is None:
         return functools.partial(_guard, config=config)
     return _guard(fn, config=config)
@@ -339,7 +355,6 @@ def _controller(
     return Controller(
         name=name,
         fn=fn,
-        key=_shape_key,
         compile_options=options,
         shadow=config.shadow,
         rollback=config.rollback,
@@ -362,19 +377,7 @@ def _start_warmup(controller: Controller, config: _Config) -> None:
             for example in warmup.resolve():
                 controller.warmup(*example)
 
-    if not warmup.background:
+    if warmup.background:
+        start_background(controller, run)
+    else:
         run()
-        return
-
-    def run_in_background() -> None:
-        try:
-            run()
-        except Exception as exc:
-            controller.note_warmup_error(exc)
-        finally:
-            controller._background_warmup(pending=False)
-
-    controller._background_warmup(pending=True)
-    threading.Thread(
-        target=run_in_background, name=f"safecompile-warmup:{controller.name}", daemon=True
-    ).start()

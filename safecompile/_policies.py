@@ -9,7 +9,9 @@ from typing import Any, Literal
 
 from ._errors import ConfigError
 
-__all__ = ["Buckets", "Rollback", "Shadow", "Warmup", "pow2", "steps"]
+__all__ = ["FOREVER", "Buckets", "Rollback", "Shadow", "Warmup", "pow2", "steps"]
+
+FOREVER = 1 << 62  # a countdown that never runs out
 
 
 def _check_int(owner: str, name: str, value: object, *, minimum: int) -> None:
@@ -290,6 +292,12 @@ class Shadow:
                 _check_number("Shadow", name, value, minimum=0.0)
         _check_int("Shadow", "queue_size", self.queue_size, minimum=1)
 
+    def countdown(self, canary_left: int) -> int:
+        """Calls of a graph to serve unchecked before its next check is due."""
+        if canary_left > 0:
+            return 0
+        return FOREVER if self.every == 0 else self.every - 1
+
 
 @dataclass(frozen=True, kw_only=True)
 class Rollback:
@@ -299,7 +307,8 @@ class Rollback:
     serving). With ``slower_ratio``, a compiled path measured slower than eager by that
     ratio rolls back. ``retry_after`` seconds after a trip the compiled path is tried
     again (one call, a half-open trial); each failed trial doubles the wait, up to
-    ``max_retry_after``. ``None`` keeps eager until ``reset()``.
+    ``max_retry_after``; ``0`` tries again on the next call. ``None`` keeps eager until
+    ``reset()``.
     """
 
     max_recompiles: int = 8
@@ -314,10 +323,23 @@ class Rollback:
             _check_number("Rollback", "slower_ratio", self.slower_ratio, minimum=1.0)
         _check_int("Rollback", "slower_min_samples", self.slower_min_samples, minimum=1)
         if self.retry_after is not None:
-            _check_number("Rollback", "retry_after", self.retry_after, minimum=0.0, strict=True)
+            _check_number("Rollback", "retry_after", self.retry_after, minimum=0.0)
         _check_number("Rollback", "max_retry_after", self.max_retry_after, minimum=0.0, strict=True)
         if self.retry_after is not None and self.max_retry_after < self.retry_after:
             raise ConfigError(
                 "Rollback(max_retry_after=...) must be >= retry_after "
                 f"({self.retry_after!r}), got {self.max_retry_after!r}"
             )
+
+    def next_wait(self, previous: float | None, *, failing: bool) -> float | None:
+        """Seconds to wait before the next trial after a trip (``None``: never).
+
+        ``failing`` means the compiled path failed again soon after it last came back
+        (a failed trial, or a trip within twice the last wait): the wait doubles, up to
+        ``max_retry_after``. Otherwise it starts again from ``retry_after``.
+        """
+        if self.retry_after is None:
+            return None
+        if not failing or previous is None:
+            return self.retry_after
+        return min(max(previous * 2, self.retry_after), self.max_retry_after)

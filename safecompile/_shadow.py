@@ -1,11 +1,17 @@
-"""Shadow checks: compare the compiled path with eager on live traffic.
+"""Shadow checks: compare a compiled call with eager, per graph, state-safe.
 
-A check runs the user's function eagerly on copies of the inputs and compares outputs
-(:mod:`safecompile._compare`). ``sync`` checks happen before the call returns, so a
-breach is answered with eager's result; ``async`` checks run on one worker thread fed by
-a bounded budget per callable, so the caller never waits and memory never grows.
-Checked calls also time both paths: the paired samples give the A/B latency figures and
-the slower-than-eager verdict.
+A check is due when a graph that served the call says so (its canary, then one run in
+``every``: :class:`~._graphs.GraphTable`). It runs *after* the compiled call:
+
+- ``sync``: eager runs on the caller's own arguments, under the caller's grad mode, so
+  on a breach eager's result — with the caller's gradients — is what the caller gets.
+  State the compiled run updated is swapped back first (:mod:`safecompile._state`), so
+  eager applies its update once, and the two updates are compared like outputs.
+- ``async``: copies of the inputs and output go to one worker thread on a bounded
+  budget; the caller never waits. Graphs that update state are not checked async (the
+  worker cannot isolate the live module); an event says so once.
+
+Checked calls also time both paths, for the A/B latency figures and the slower verdict.
 """
 
 from __future__ import annotations
@@ -15,26 +21,36 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch.utils import _pytree as pytree
 
 from ._compare import Comparison, compare
+from ._graphs import GraphRecord, GraphTable
 from ._model import Event, EventKind
 from ._policies import Rollback, Shadow
 from ._timing import LatencyWindow, slower_verdict
 
 if TYPE_CHECKING:
-    from ._controller import Entry, Sink
+    from ._state import Snapshot
 
-__all__ = ["Figures", "Prepared", "ShadowRunner", "Verdict", "drain"]
+__all__ = ["Figures", "ShadowRunner", "Sink", "Verdict", "drain"]
 
-_FOREVER = 1 << 62
 _SLOWER_ADVISORY = 1.10  # with slower_ratio=None: say once that compiled is this much slower
-# A speed verdict sorts the whole A/B window (up to 1024 pairs: ~250 µs of pure Python,
-# holding the GIL). Judge at min_samples pairs, then once per this many new pairs.
-_JUDGE_EVERY = 16
+_JUDGE_EVERY = 16  # judge speed once per this many new pairs (sorting the window costs)
+
+
+class Sink(Protocol):
+    """Where events and shadow-check figures go (telemetry: traces, metrics, logs)."""
+
+    def event(self, event: Event) -> None: ...
+
+    def shadow_check(
+        self, *, passed: bool, max_abs: float, max_rel: float, bucket: str | None, log_span: bool
+    ) -> None: ...
+
+    def observe_calls(self, source: Callable[[], tuple[int, int]]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,24 +66,15 @@ class Figures:
     latency: dict[str, Any]
 
 
-@dataclass(slots=True)
-class Prepared:
-    """What a check needs, captured before the compiled call runs."""
-
-    args: tuple[Any, ...]  # the caller's own arguments
-    kwargs: dict[str, Any]
-    copies: tuple[tuple[Any, ...], dict[str, Any]]  # clones for the eager run
-    versions: list[tuple[torch.Tensor, int]]  # input tensors and their versions before
-
-
 @dataclass(frozen=True, slots=True)
 class Verdict:
-    """The outcome of a sync check (async checks always answer ``breach=None``)."""
+    """The outcome of a check: ``breach`` is ``None`` unless a sync check found drift."""
 
     breach: str | None = None
     eager_out: Any = None
     max_abs: float = 0.0
     max_rel: float = 0.0
+    graph: GraphRecord | None = None
 
 
 @dataclass(slots=True)
@@ -79,13 +86,13 @@ class _Counters:
     max_abs: float = 0.0
     max_rel: float = 0.0
     pending: int = 0
-    said_skip: set[str] = field(default_factory=set)
+    said: set[tuple[int, str]] = field(default_factory=set)
     slower_said: bool = False
-    next_judge: int = 0  # the pair count at which speed is judged next
+    next_judge: int = 0
 
 
 class ShadowRunner:
-    """The shadow-check machinery of one guarded callable."""
+    """The shadow checks of one guarded callable."""
 
     def __init__(
         self,
@@ -93,68 +100,102 @@ class ShadowRunner:
         policy: Shadow | None,
         rollback: Rollback,
         fn: Callable[..., Any],
-        module: torch.nn.Module | None,
-        on_breach: Callable[[Entry, str, float, float], None],
+        on_breach: Callable[[GraphRecord | None, str, float, float], None],
         on_slower: Callable[[str], None],
         sink: Sink,
         record: Callable[[Event], None],
         clock: Callable[[], float],
     ) -> None:
-        self._policy = policy
-        self._clock = clock
+        self.policy = policy
+        self.fn = fn
         self._rollback = rollback
-        self._fn = fn
-        self._module = module
         self._on_breach = on_breach
         self._on_slower = on_slower
         self._sink = sink
         self._record = record
+        self._clock = clock
         self._lock = threading.Lock()
         self._c = _Counters()
-        self._random_op: str | None = None
         self._compiled_lat = LatencyWindow()
         self._eager_lat = LatencyWindow()
 
-    # -- scheduling -------------------------------------------------------------------
+    # -- a check ----------------------------------------------------------------------
 
-    def next_countdown(self, entry: Entry) -> int:
-        """Fast-path calls of this shape before the next check is due."""
-        policy = self._policy
-        if policy is None or self._random_op is not None:
-            return _FOREVER
-        if entry.canary_left > 0:
-            return 0
-        return _FOREVER if policy.every == 0 else policy.every - 1
+    def check(
+        self,
+        table: GraphTable,
+        due: list[GraphRecord],
+        snapshot: Snapshot | None,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        *,
+        compiled_s: float | None,
+    ) -> Verdict:
+        """Check one call whose graphs ``due`` wanted a check; see the module doc."""
+        graph = due[0]
+        if self.policy is None:
+            return Verdict()
+        if snapshot is None:  # the controller has the call's first graph capture it
+            return Verdict()
+        changed = snapshot.changed()
+        if changed:
+            why = snapshot.unrestorable()
+            if why is not None:
+                if "parameter" in why:
+                    for g in due:
+                        table.never_check(g, f"{why}: eager cannot rerun it faithfully")
+                    self._skip(graph, f"{why}; this graph is not checked")
+                else:
+                    for g in due:
+                        g.mutates = True
+                    self._skip(graph, f"{why}; from its next check on, the state is restored")
+                return Verdict()
+            if self.policy.mode == "async":
+                for g in due:
+                    table.never_check(g, "it updates state, which an async check cannot isolate")
+                self._skip(graph, "it updates module or input state: use Shadow(mode='sync')")
+                return Verdict()
+        canary = any(g.canary_left > 0 for g in due)
+        for g in due:
+            table.checked(g)
+        if self.policy.mode == "async":
+            self._submit(graph, args, kwargs, out, compiled_s, canary)
+            return Verdict()
+        after = snapshot.swap_back() if changed else None
+        started = self._clock()
+        eager_out = self.fn(*args, **kwargs)
+        sync_device(eager_out)
+        eager_s = self._clock() - started
+        result = self._compare(out, eager_out)
+        if after is not None:
+            after = snapshot.settle(after)
+            if result.ok:
+                result = self._compare_state(after)
+        self._note(graph, result, compiled_s, eager_s, canary)
+        if result.ok:
+            return Verdict(max_abs=result.max_abs, max_rel=result.max_rel, graph=graph)
+        return Verdict(
+            breach=result.reason or "outputs differ",
+            eager_out=eager_out,
+            max_abs=result.max_abs,
+            max_rel=result.max_rel,
+            graph=graph,
+        )
 
-    def wants_check(self, entry: Entry, *, first: bool) -> bool:
-        """Whether this call is to be checked (the due check may have to be skipped)."""
-        if self._policy is None:
-            return False
-        if not first and entry.canary_left <= 0 and self._policy.every == 0:
-            return False
-        if self._random_op is not None:
-            self._skip(f"the compiled graph draws random numbers ({self._random_op})")
-            return False
-        if self._module is not None and self._module.training:
-            self._skip("the module is in training mode")
-            return False
-        return True
+    def note(self, graph: GraphRecord | None, bucket: str | None, result: Comparison) -> None:
+        """Count a comparison the controller made itself (a bucket's padding check)."""
+        self._note(graph, result, None, None, True, bucket=bucket)
 
-    @property
-    def active(self) -> bool:
-        """Whether checks can happen at all (a policy, and nothing that rules them out)."""
-        return self._policy is not None and self._random_op is None
+    def tolerances(self) -> tuple[float | None, float | None]:
+        policy = self.policy
+        return (policy.rtol, policy.atol) if policy is not None else (None, None)
 
-    def mark_random(self, op: str) -> None:
-        """The function draws random numbers: compiled RNG differs from eager's."""
-        self._random_op = op
+    def skip_graph(self, graph: GraphRecord, why: str) -> None:
+        """Say once per graph why it is not checked."""
+        self._skip(graph, why)
 
-    def reset(self) -> None:
-        with self._lock:
-            self._c = _Counters()
-            self._random_op = None
-            self._compiled_lat = LatencyWindow()
-            self._eager_lat = LatencyWindow()
+    # -- figures ----------------------------------------------------------------------
 
     def figures(self) -> Figures:
         with self._lock:
@@ -173,115 +214,43 @@ class ShadowRunner:
                 },
             )
 
-    # -- a check ----------------------------------------------------------------------
-
-    def prepare(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Prepared | None:
-        """Copy the inputs before the compiled call can mutate them."""
-        try:
-            with torch.no_grad():
-                copies = pytree.tree_map_only(torch.Tensor, _copy, (args, kwargs))
-            versions = [
-                (t, t._version)
-                for t in pytree.tree_leaves((args, kwargs))
-                if isinstance(t, torch.Tensor)
-            ]
-        except Exception as exc:
-            self._skip(f"inputs could not be copied for the eager run ({type(exc).__name__})")
-            return None
-        return Prepared(args=args, kwargs=kwargs, copies=copies, versions=versions)
-
-    def check(
-        self,
-        entry: Entry,
-        prepared: Prepared,
-        out: Any,
-        *,
-        compiled_s: float | None,
-        first: bool,
-    ) -> Verdict:
-        """Compare ``out`` (compiled) with eager on the prepared inputs."""
-        assert self._policy is not None
-        if self._random_op is not None:  # learnt while compiling this very call
-            self._skip(f"the compiled graph draws random numbers ({self._random_op})")
-            return Verdict()
-        mutated = [t for t, v in prepared.versions if t._version != v]
-        canary = first or entry.canary_left > 0
-        if self._policy.mode == "async":
-            self._submit(entry, prepared, out, mutated, compiled_s, canary)
-            return Verdict()
-        perf0 = self._clock()
-        args, kwargs = prepared.copies
-        grad = torch.is_grad_enabled() and _requires_grad(out)
-        with torch.set_grad_enabled(grad):
-            eager_out = self._fn(*args, **kwargs)
-        self.sync_device(eager_out)
-        eager_s = self._clock() - perf0
-        result = self._compare(out, eager_out, prepared, mutated)
-        self._note(entry, result, compiled_s, eager_s, canary)
-        if result.ok:
-            return Verdict(max_abs=result.max_abs, max_rel=result.max_rel)
-        if mutated:
-            # The caller sees eager's side effects, as eager would have left them.
-            with torch.no_grad():
-                for original, copy in zip(
-                    _tensors(prepared.args, prepared.kwargs), _tensors(args, kwargs), strict=True
-                ):
-                    if original._version != copy._version or original in mutated:
-                        original.copy_(copy)
-        return Verdict(
-            breach=result.reason or "outputs differ",
-            eager_out=eager_out,
-            max_abs=result.max_abs,
-            max_rel=result.max_rel,
-        )
-
-    def sync_device(self, out: Any) -> None:
-        """Wait for queued GPU work, so a timing covers the work and not its launch."""
-        for leaf in pytree.tree_leaves(out):
-            if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
-                torch.cuda.synchronize(leaf.device)
-                return
+    def reset(self) -> None:
+        with self._lock:
+            self._c = _Counters()
+            self._compiled_lat = LatencyWindow()
+            self._eager_lat = LatencyWindow()
 
     # -- internals ----------------------------------------------------------------------
 
-    def _compare(
-        self, out: Any, eager_out: Any, prepared: Prepared, mutated: list[torch.Tensor]
-    ) -> Comparison:
-        rtol, atol = self._tolerances()
-        result = compare(out, eager_out, rtol=rtol, atol=atol)
-        if result.ok and mutated:
-            # In-place updates of the inputs are outputs too.
-            side = compare(
-                list(_tensors(prepared.args, prepared.kwargs)),
-                list(_tensors(*prepared.copies)),
-                rtol=rtol,
-                atol=atol,
+    def _compare(self, out: Any, eager_out: Any) -> Comparison:
+        rtol, atol = self.tolerances()
+        return compare(out, eager_out, rtol=rtol, atol=atol)
+
+    def _compare_state(self, after: Any) -> Comparison:
+        rtol, atol = self.tolerances()
+        result = compare(after.compiled_tensors(), after.eager_tensors(), rtol=rtol, atol=atol)
+        if not result.ok:
+            return Comparison(
+                ok=False,
+                max_abs=result.max_abs,
+                max_rel=result.max_rel,
+                reason=f"the state update differs (buffers or inputs): {result.reason}",
+                leaves=result.leaves,
             )
-            if not side.ok:
-                return Comparison(
-                    ok=False,
-                    max_abs=side.max_abs,
-                    max_rel=side.max_rel,
-                    reason=f"in-place update of an input differs: {side.reason}",
-                    leaves=result.leaves + side.leaves,
-                )
+        differ = after.attrs_differ()
+        if differ is not None:
+            return Comparison(ok=False, max_abs=0.0, max_rel=float("inf"), reason=differ)
         return result
-
-    def note(self, entry: Entry, result: Comparison, *, canary: bool) -> None:
-        """Count a comparison the controller made itself (a bucket's padding check)."""
-        self._note(entry, result, None, None, canary)
-
-    def _tolerances(self) -> tuple[float | None, float | None]:
-        policy = self._policy
-        return (policy.rtol, policy.atol) if policy is not None else (None, None)
 
     def _note(
         self,
-        entry: Entry,
+        graph: GraphRecord | None,
         result: Comparison,
         compiled_s: float | None,
         eager_s: float | None,
         canary: bool,
+        *,
+        bucket: str | None = None,
     ) -> None:
         with self._lock:
             c = self._c
@@ -292,11 +261,12 @@ class ShadowRunner:
                 c.max_abs = max(c.max_abs, result.max_abs)
             if result.max_rel == result.max_rel:
                 c.max_rel = max(c.max_rel, result.max_rel)
+        where = bucket if bucket is not None else _where(graph)
         self._sink.shadow_check(
             passed=result.ok,
             max_abs=result.max_abs,
             max_rel=result.max_rel,
-            bucket=entry.label,
+            bucket=where,
             log_span=canary,
         )
         if not result.ok:
@@ -304,10 +274,11 @@ class ShadowRunner:
                 Event(
                     kind=EventKind.BREACH,
                     time=time.time(),
-                    bucket=entry.label,
+                    bucket=where,
                     message=result.reason,
                     max_abs_diff=result.max_abs,
                     max_rel_diff=result.max_rel,
+                    details={"graph": graph.id} if graph is not None else {},
                 )
             )
         if compiled_s is not None and eager_s is not None and result.ok:
@@ -330,10 +301,7 @@ class ShadowRunner:
         )
         if not slower:
             return
-        message = (
-            f"compiled median is {measured:.2f}x eager's over "
-            f"{self._compiled_lat.count()} paired samples"
-        )
+        message = f"compiled median is {measured:.2f}x eager's over {pairs} paired samples"
         if ratio_limit is not None:
             self._on_slower(f"{message} (slower_ratio={ratio_limit})")
             return
@@ -350,82 +318,93 @@ class ShadowRunner:
             )
         )
 
-    def _skip(self, why: str) -> None:
+    def _skip(self, graph: GraphRecord | None, why: str) -> None:
+        key = (graph.id if graph is not None else 0, why)
         with self._lock:
             self._c.skipped += 1
-            first = why not in self._c.said_skip
-            self._c.said_skip.add(why)
+            first = key not in self._c.said
+            self._c.said.add(key)
         if first:
             self._record(
                 Event(
                     kind=EventKind.SHADOW_SKIPPED,
                     time=time.time(),
+                    bucket=_where(graph),
                     message=f"shadow checks skipped: {why}",
+                    details={"graph": graph.id} if graph is not None else {},
                 )
             )
 
     def _submit(
         self,
-        entry: Entry,
-        prepared: Prepared,
+        graph: GraphRecord,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
         out: Any,
-        mutated: list[torch.Tensor],
         compiled_s: float | None,
         canary: bool,
     ) -> None:
-        assert self._policy is not None
+        assert self.policy is not None
         with self._lock:
-            if self._c.pending >= self._policy.queue_size:
+            if self._c.pending >= self.policy.queue_size:
                 self._c.queue_full += 1
                 self._c.skipped += 1
                 return
             self._c.pending += 1
-        with torch.no_grad():
-            out_copy = pytree.tree_map_only(torch.Tensor, _copy, out)
-            after = [_copy(t) for t in mutated]
-        job = _Job(self, entry, prepared, out_copy, after, compiled_s, canary)
-        _WORKER.submit(job)
+        try:
+            with torch.no_grad():
+                inputs = pytree.tree_map_only(torch.Tensor, _copy, (args, kwargs))
+                out_copy = pytree.tree_map_only(torch.Tensor, _copy, out)
+        except Exception as exc:
+            with self._lock:
+                self._c.pending -= 1
+            self._skip(
+                graph, f"inputs could not be copied for the eager run ({type(exc).__name__})"
+            )
+            return
+        _WORKER.submit(_Job(self, graph, inputs, out_copy, compiled_s, canary))
 
     def _run_job(self, job: _Job) -> None:
         try:
-            args, kwargs = job.prepared.copies
-            perf0 = self._clock()
+            args, kwargs = job.inputs
+            started = self._clock()
             with torch.no_grad():
-                eager_out = self._fn(*args, **kwargs)
-            self.sync_device(eager_out)
-            eager_s = self._clock() - perf0
-            rtol, atol = self._tolerances()
-            result = compare(job.out, eager_out, rtol=rtol, atol=atol)
-            if result.ok and job.after:
-                mutated_copies = [c for c in _tensors(args, kwargs) if c._version > 0]
-                side = compare(job.after, mutated_copies, rtol=rtol, atol=atol)
-                if not side.ok:
-                    result = Comparison(
-                        ok=False,
-                        max_abs=side.max_abs,
-                        max_rel=side.max_rel,
-                        reason=f"in-place update of an input differs: {side.reason}",
-                        leaves=side.leaves,
-                    )
-            self._note(job.entry, result, job.compiled_s, eager_s, job.canary)
+                eager_out = self.fn(*args, **kwargs)
+            sync_device(eager_out)
+            eager_s = self._clock() - started
+            result = self._compare(job.out, eager_out)
+            self._note(job.graph, result, job.compiled_s, eager_s, job.canary)
             if not result.ok:
                 self._on_breach(
-                    job.entry, result.reason or "outputs differ", result.max_abs, result.max_rel
+                    job.graph, result.reason or "outputs differ", result.max_abs, result.max_rel
                 )
         except Exception as exc:
-            self._skip(f"the async eager run raised {type(exc).__name__}")
+            self._skip(job.graph, f"the async eager run raised {type(exc).__name__}")
         finally:
             with self._lock:
                 self._c.pending -= 1
 
 
+def sync_device(out: Any) -> None:
+    """Wait for queued GPU work, so a timing covers the work and not its launch."""
+    for leaf in pytree.tree_leaves(out):
+        if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
+            torch.cuda.synchronize(leaf.device)
+            return
+
+
+def _where(graph: GraphRecord | None) -> str | None:
+    if graph is None:
+        return None
+    return graph.bucket if graph.bucket is not None else f"graph {graph.id} ({graph.label})"
+
+
 @dataclass(slots=True)
 class _Job:
     runner: ShadowRunner
-    entry: Entry
-    prepared: Prepared
+    graph: GraphRecord
+    inputs: tuple[tuple[Any, ...], dict[str, Any]]
     out: Any
-    after: list[torch.Tensor]
     compiled_s: float | None
     canary: bool
 
@@ -475,11 +454,3 @@ def drain(timeout: float = 30.0) -> bool:
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().clone()
-
-
-def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-
-
-def _requires_grad(out: Any) -> bool:
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out))

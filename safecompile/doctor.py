@@ -40,8 +40,8 @@ from torch.utils import _pytree as pytree
 
 from ._backend import backend_name, build_compiler, validate_compile_options
 from ._compare import compare
-from ._controller import random_op_in
 from ._errors import ConfigError
+from ._graphs import random_op
 from ._guard import safe_compile
 from ._model import Event, EventKind, State
 from ._policies import Buckets, Rollback
@@ -446,12 +446,12 @@ class _Recorder:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         breaks = tuple(graph_breaks_of(gm, include_resumed=True))
-        random_op = random_op_in(gm)
+        random = random_op(gm)
         started = time.perf_counter()
         try:
             return self._compiler(gm, example_inputs)
         finally:
-            self.graphs.append(_Graph(breaks, random_op, time.perf_counter() - started))
+            self.graphs.append(_Graph(breaks, random, time.perf_counter() - started))
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -41,8 +41,8 @@ def test_many_random_lengths_bounded_graphs_and_exact_outputs() -> None:
     assert backend.compiles == stats.compiles
     assert stats.eager_calls <= stats.compiles  # only a bucket's first padded call is eager
     report = g.safecompile.report()
-    assert all(s["status"] == "ready" for s in report["shapes"].values())
-    assert any(0 < s["padding_waste"] < 1 for s in report["shapes"].values())
+    assert all(s["status"] == "ready" for s in report["buckets"].values())
+    assert any(0 < s["padding_waste"] < 1 for s in report["buckets"].values())
 
 
 def test_keyword_and_positional_arguments_share_a_bucket() -> None:
@@ -127,8 +127,8 @@ def test_dynamic_strategy_one_graph_per_range_no_padding() -> None:
         torch.testing.assert_close(out, x * 2)
     assert seen == [3, 5, 6, 7, 9, 12, 16, 20, 30, 33, 50, 64]
     assert backend.compiles <= len(pow2(4, 64))
-    assert g.safecompile.report()["shapes"]
-    assert all(s["padded_calls"] == 0 for s in g.safecompile.report()["shapes"].values())
+    assert g.safecompile.report()["buckets"]
+    assert all(s["padded_calls"] == 0 for s in g.safecompile.report()["buckets"].values())
 
 
 def test_recompile_limit_must_hold_the_buckets() -> None:

@@ -58,7 +58,7 @@ def test_config_error_is_value_error() -> None:
             r"Rollback\(max_recompiles=\.\.\.\) must be an int >= 1",
         ),
         (lambda: Rollback(slower_ratio=0.5), r"Rollback\(slower_ratio=\.\.\.\)"),
-        (lambda: Rollback(retry_after=0), r"Rollback\(retry_after=\.\.\.\)"),
+        (lambda: Rollback(retry_after=-1), r"Rollback\(retry_after=\.\.\.\)"),
         (lambda: Rollback(retry_after=10, max_retry_after=5), r"max_retry_after"),
         (lambda: Warmup(inputs="x"), r"Warmup\(inputs=\.\.\.\)"),
         (lambda: Warmup(inputs=[torch.randn(2)]), r"items must be tuples"),

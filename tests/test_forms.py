@@ -149,7 +149,7 @@ def test_async_and_generator_refused() -> None:
 
 
 def test_report_is_json_serialisable(x: torch.Tensor) -> None:
-    """report() is plain JSON: state, stats, events, shapes."""
+    """report() is plain JSON: state, stats, events, graphs."""
     g = safe_compile(double, backend="eager", shadow=None, name="r")
     g(x)
     g.safecompile.rollback()
@@ -158,7 +158,8 @@ def test_report_is_json_serialisable(x: torch.Tensor) -> None:
     assert report["state"] == "rolled_back"
     assert report["stats"]["calls"] == 1
     assert report["events"][-1]["reason"] == "manual"
-    assert len(report["shapes"]) == 1
+    assert len(report["graphs"]) == 1
+    assert report["graphs"][0]["calls"] == 1
 
 
 def test_stats_are_frozen_snapshots(x: torch.Tensor) -> None:

@@ -63,9 +63,9 @@ def test_eight_threads_with_injected_failures_stay_consistent() -> None:
 def test_threads_compiling_many_shapes_compile_each_once() -> None:
     """Threads racing on new shapes never compile one shape twice.
 
-    torch 2.13 itself can miss its cache under concurrent calls ("Unexpected
-    recompilation: runtime guards failed"): those graphs are counted as hidden
-    recompiles, apart from the compiles the guard starts.
+    torch does not de-duplicate concurrent compiles of one new signature (and 2.13 can
+    miss its own cache under concurrent calls): the guard's backend hands every such
+    twin the graph compiled first.
     """
     backend = RecordingBackend()
     g = safe_compile(mlp, backend=backend, shadow=None, dynamic=False)
@@ -80,5 +80,5 @@ def test_threads_compiling_many_shapes_compile_each_once() -> None:
         list(pool.map(worker, range(8)))
     stats = g.safecompile.stats()
     assert stats.compiles == 3
-    assert backend.compiles == stats.graphs == 3 + stats.extra["hidden_recompiles"]
+    assert backend.compiles == stats.graphs == 3
     assert stats.calls == 8 * 30 * 3 == stats.compiled_calls + stats.eager_calls

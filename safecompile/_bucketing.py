@@ -1,0 +1,138 @@
+"""The guard's bucket hooks: one entry per bucket (padded key), verified before use.
+
+:mod:`safecompile._buckets` knows how to plan, pad and cut back; this module keeps what
+the guard learnt about each bucket: whether its padding was verified against unpadded
+eager (and the output cut that goes with it), whether it was rejected, and its calls
+and padding waste. Entries are keyed by the bucket's padded input signature, at most
+:data:`MAX_BUCKETS` of them (the oldest forgotten first): a forgotten bucket is simply
+verified again.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ._buckets import Bucketer, CutSpec, Plan
+
+__all__ = ["MAX_BUCKETS", "BucketEntry", "BucketStatus", "BucketTable", "unmark"]
+
+MAX_BUCKETS = 1024
+
+
+class BucketStatus(enum.Enum):
+    NEW = "new"  # not verified yet: the next call learns its cut and checks its padding
+    READY = "ready"
+    REJECTED = "rejected"  # padding changes results, or its range cannot compile: eager
+
+
+@dataclass(slots=True, eq=False)
+class BucketEntry:
+    """What the guard knows about one bucket."""
+
+    label: str
+    status: BucketStatus = BucketStatus.NEW
+    cuts: CutSpec | None = None
+    why: str | None = None
+    calls: int = 0
+    padded_calls: int = 0
+    padded_elements: int = 0
+    real_elements: int = 0
+
+    def count(self, plan: Plan, *, padded: bool) -> None:
+        self.calls += 1
+        if padded:
+            self.padded_calls += 1
+            self.padded_elements += plan.size - plan.length
+            self.real_elements += plan.length
+
+    def to_dict(self) -> dict[str, Any]:
+        waste = self.padded_elements / max(1, self.padded_elements + self.real_elements)
+        return {
+            "status": self.status.value,
+            "calls": self.calls,
+            "padded_calls": self.padded_calls,
+            "padding_waste": waste,
+            "cut": self.cuts.describe() if self.cuts is not None else None,
+            "why": self.why,
+        }
+
+
+class BucketTable:
+    """The bucket entries of one guarded callable."""
+
+    def __init__(self, bucketer: Bucketer) -> None:
+        self.bucketer = bucketer
+        self.pads = bucketer.policy.strategy == "pad"
+        self._lock = threading.Lock()
+        self.entries: OrderedDict[Hashable, BucketEntry] = OrderedDict()
+
+    def entry(self, plan: Plan) -> BucketEntry:
+        """The entry of a bucketed plan (made when first seen)."""
+        with self._lock:
+            found = self.entries.get(plan.key)
+            if found is None:
+                found = BucketEntry(label=plan.describe())
+                self.entries[plan.key] = found
+                if len(self.entries) > MAX_BUCKETS:
+                    self.entries.popitem(last=False)
+            return found
+
+    def clear(self) -> None:
+        with self._lock:
+            self.entries.clear()
+
+    def report(self) -> dict[str, Any]:
+        with self._lock:
+            return {e.label: e.to_dict() for e in self.entries.values()}
+
+    def mark_range(
+        self, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+        """``strategy="dynamic"``: bound the graph for this bucket to its range of lengths.
+
+        Marks every bucketed tensor of the call and returns what :func:`unmark` needs to
+        take the marks off again: ``mark_dynamic`` writes attributes on the caller's
+        tensors, and left there they would make every other compiled function those
+        tensors reach recompile.
+        """
+        sizes = self.bucketer.policy.sizes
+        index = sizes.index(plan.size) if plan.size in sizes else -1
+        low = max(2, sizes[index - 1] + 1 if index > 0 else 2)
+        if plan.length < low or plan.size <= low:
+            return []  # a one-length range (or a length dynamo specialises): a static graph
+        found, _ = self.bucketer._find(args, kwargs)
+        marked = []
+        for slot, _, tensor in found:
+            saved = {a: copy.copy(getattr(tensor, a)) for a in _MARKS if hasattr(tensor, a)}
+            marked.append((tensor, saved))
+            for dim in slot.dims:
+                torch._dynamo.mark_dynamic(tensor, dim % tensor.dim(), min=low, max=plan.size)
+        return marked
+
+
+# The attributes torch._dynamo.mark_dynamic sets on a tensor (torch 2.13).
+_MARKS = (
+    "_dynamo_dynamic_indices",
+    "_dynamo_dynamic_range",
+    "_dynamo_hint_overrides",
+    "_specialize_on",
+    "_has_dynamo_dim_marking",
+)
+
+
+def unmark(marked: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
+    """Put the caller's tensors' dynamo marks back as they were before we marked them."""
+    for tensor, saved in marked:
+        for name in _MARKS:
+            if name in saved:
+                setattr(tensor, name, saved[name])
+            elif hasattr(tensor, name):
+                delattr(tensor, name)

@@ -1,0 +1,149 @@
+"""Compiles in flight, and compile failures persisted across restarts.
+
+:class:`CompileTracker` knows which thread is compiling (single flight: while one
+thread compiles, eager serves every other call, which also keeps clear of a torch race
+where a compiled call racing the install of a new graph misses the cache). Every way
+out of a compile releases it (``finally``), a ``KeyboardInterrupt`` or a dying thread
+included. :class:`KnownFailures` persists "this code fails to compile here" under
+``SAFECOMPILE_CACHE_DIR``, keyed by code, torch, Python, device and options.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from ._cache import Verdict, VerdictStore, artifact_key, cache_root, use_torch_caches
+from ._model import Reason
+from ._source import error_type_name, safe_message
+
+__all__ = ["CompileTracker", "KnownFailures"]
+
+
+class CompileTracker:
+    """Which threads compile now; ``on_change`` is told whenever that changes."""
+
+    def __init__(self, on_change: Callable[[], None]) -> None:
+        self._lock = threading.Lock()
+        self._depth: dict[int, int] = {}
+        self._on_change = on_change
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._depth)
+
+    def busy_elsewhere(self) -> bool:
+        me = threading.get_ident()
+        return any(thread != me for thread in list(self._depth))
+
+    def enter(self, *, exclusive: bool = False) -> bool:
+        """Note that this thread compiles (nested calls count). ``exclusive``: only if no
+        other thread does (``False`` then, and nothing noted)."""
+        me = threading.get_ident()
+        with self._lock:
+            if exclusive and any(thread != me for thread in self._depth):
+                return False
+            self._depth[me] = self._depth.get(me, 0) + 1
+        self._on_change()
+        return True
+
+    def leave(self) -> None:
+        me = threading.get_ident()
+        with self._lock:
+            depth = self._depth.get(me, 0) - 1
+            if depth > 0:
+                self._depth[me] = depth
+            else:
+                self._depth.pop(me, None)
+        self._on_change()
+
+    @contextmanager
+    def claim(self, *, exclusive: bool = False) -> Iterator[bool]:
+        """``enter``/``leave`` around a block, released whatever way the block ends."""
+        got = self.enter(exclusive=exclusive)
+        try:
+            yield got
+        finally:
+            if got:
+                self.leave()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._depth.clear()
+
+
+class KnownFailures:
+    """Compile failures persisted under ``SAFECOMPILE_CACHE_DIR`` (a no-op without it)."""
+
+    def __init__(self, target: Callable[..., Any], options: dict[str, Any]) -> None:
+        root = cache_root()
+        self._store = VerdictStore(root) if root is not None else None
+        if root is not None:
+            use_torch_caches(root)
+        self._target = target
+        self._options = options
+        self._key: str | None = None
+        self._checked = False
+
+    @property
+    def active(self) -> bool:
+        return self._store is not None and not self._checked
+
+    def known(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        """Once per process, before the first compile: the persisted failure's message."""
+        if self._store is None or self._checked:
+            return None
+        self._checked = True
+        key = self._key_for(args, kwargs)
+        verdict = self._store.get(key) if key is not None else None
+        if verdict is None or verdict.kind != "compile_failed":
+            return None
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(verdict.time))
+        return (
+            f"known compile failure, persisted {when} UTC under this code, torch, Python "
+            f"and device ({verdict.error_type}: {verdict.message}); not retried until "
+            "one of them changes or reset()"
+        )
+
+    def persist(
+        self, name: str, error: BaseException, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> None:
+        if self._store is None:
+            return
+        key = self._key_for(args, kwargs)
+        if key is None:
+            return
+        self._store.put(
+            key,
+            Verdict(
+                kind="compile_failed",
+                time=time.time(),
+                name=name,
+                reason=Reason.COMPILE_ERROR.value,
+                error_type=error_type_name(error),
+                message=safe_message(error),
+            ),
+        )
+
+    def forget(self) -> None:
+        """``reset()``: drop the persisted verdict, check again before the next compile."""
+        if self._store is not None and self._key is not None:
+            self._store.clear(self._key)
+        self._checked = False
+
+    def _key_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
+        if self._key is None:
+            device = next(
+                (t.device for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)),
+                torch.device("cpu"),
+            )
+            try:
+                self._key = artifact_key(self._target, device=device, **self._options)
+            except Exception:
+                return None
+        return self._key

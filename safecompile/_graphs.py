@@ -1,0 +1,502 @@
+"""Graph identity: one record per graph torch compiles, and the backend that makes them.
+
+torch compiles, caches and runs *graphs*, one per shape, dynamic range, Python value,
+grad mode, dtype, device or train/eval that dynamo guards on. safecompile's backend
+sees each graph as torch compiles it, gives it a :class:`GraphRecord` (its id, its own
+canary countdown and counters) and hands torch back the compiled graph wrapped in a
+small function that, on every run, tells the calling thread's :class:`~._slots.Slot`
+which graph served the call and whether that graph's check is due. Nothing is keyed by
+input shapes, so memory is bounded by the graphs, and a new shape served by an existing
+dynamic graph costs nothing.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch._dynamo.side_effects import (  # type: ignore[attr-defined]
+    AttributeMutationNew,
+    ValueMutationNew,
+)
+from torch._dynamo.source import LocalSource
+from torch._dynamo.symbolic_convert import InstructionTranslator
+from torch._dynamo.variables.nn_module import NNModuleVariable, UnspecializedNNModuleVariable
+
+from ._policies import FOREVER, Shadow
+from ._slots import Slot
+from ._source import graph_breaks_of
+
+__all__ = [
+    "GraphHooks",
+    "GraphRecord",
+    "GraphTable",
+    "GuardBackend",
+    "mutates_in_place",
+    "random_op",
+    "time_tracing",
+    "trace_started",
+]
+
+CompilerFn = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
+
+
+@dataclass(slots=True, eq=False)
+class GraphRecord:
+    """What the guard knows about one graph torch compiled (see the module doc)."""
+
+    id: int
+    label: str  # its inputs as text: shapes (``s0`` for a dynamic dim) and dtypes
+    code: str  # the function (or resume function, after a graph break) it belongs to
+    compiled: bool  # False: past max_recompiles, the traced graph runs eagerly
+    bucket: str | None = None
+    canary_left: int = 0
+    countdown: int = FOREVER  # runs left before its next check is due (0: due now)
+    calls: int = 0
+    checks: int = 0
+    compile_s: float = 0.0
+    breaks: list[dict[str, Any]] = field(default_factory=list)
+    unchecked: str | None = None  # why this graph is never checked (random numbers...)
+    mutates: bool = False  # seen to update its inputs or module state in place
+    prep: bool = False  # a later graph of its calls is due: snapshot state at this one
+
+    def to_dict(self) -> dict[str, Any]:
+        """The record for ``report()``: counters and labels only, never values."""
+        return {
+            "id": self.id,
+            "inputs": self.label,
+            "code": self.code,
+            "compiled": self.compiled,
+            "bucket": self.bucket,
+            "calls": self.calls,
+            "checks": self.checks,
+            "canary_left": self.canary_left,
+            "compile_s": round(self.compile_s, 6),
+            "graph_breaks": len(self.breaks),
+            "unchecked": self.unchecked,
+            "mutates_state": self.mutates,
+        }
+
+
+class GraphTable:
+    """Every graph of one guarded callable, in compile order (bounded by the graphs)."""
+
+    def __init__(self, shadow: Shadow | None) -> None:
+        self._shadow = shadow
+        self._lock = threading.Lock()
+        self._records: list[GraphRecord] = []
+        self._per_code: dict[str, int] = {}
+        self._ids = itertools.count(1)
+
+    def add(
+        self, *, label: str, code: str, compiled: bool, bucket: str | None, unchecked: str | None
+    ) -> GraphRecord:
+        canary = self._shadow.canary if self._shadow is not None and compiled else 0
+        record = GraphRecord(
+            id=next(self._ids),
+            label=label,
+            code=code,
+            compiled=compiled,
+            bucket=bucket,
+            canary_left=canary if unchecked is None else 0,
+            unchecked=unchecked,
+        )
+        record.countdown = self.countdown(record)
+        with self._lock:
+            self._records.append(record)
+            if compiled:
+                self._per_code[code] = self._per_code.get(code, 0) + 1
+        return record
+
+    def compiled_for(self, code: str) -> int:
+        """How many graphs were compiled for one code object (the recompile limit's unit)."""
+        with self._lock:
+            return self._per_code.get(code, 0)
+
+    def countdown(self, record: GraphRecord) -> int:
+        """The record's next countdown, as the shadow policy decides."""
+        if self._shadow is None or record.unchecked is not None or not record.compiled:
+            return FOREVER
+        return self._shadow.countdown(record.canary_left)
+
+    def checked(self, record: GraphRecord) -> None:
+        """One check of the record was made (or could not be made and never will)."""
+        if record.canary_left > 0:
+            record.canary_left -= 1
+        record.checks += 1
+        record.countdown = self.countdown(record)
+
+    def never_check(self, record: GraphRecord, why: str) -> None:
+        record.unchecked = why
+        record.canary_left = 0
+        record.countdown = FOREVER
+
+    def restart_canary(self) -> None:
+        """After a recovery, every compiled graph is watched again from the start."""
+        for record in self:
+            if record.compiled and record.unchecked is None and self._shadow is not None:
+                record.canary_left = self._shadow.canary
+                record.countdown = self.countdown(record)
+
+    def __iter__(self) -> Iterator[GraphRecord]:
+        with self._lock:
+            return iter(list(self._records))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._records)
+
+
+class GraphHooks:
+    """What the backend needs from the controller (kept small, so both stay readable)."""
+
+    def __init__(
+        self,
+        *,
+        table: GraphTable,
+        slots_local: Any,
+        limit: int,
+        on_compile_start: Callable[[], object],
+        on_compile_end: Callable[[], None],
+        on_graph: Callable[[GraphRecord, torch.fx.GraphModule], None],
+        snapshot: Callable[[tuple[Any, ...], bool], Any],
+        bucket_label: Callable[[], str | None],
+        clock: Callable[[], float],
+    ) -> None:
+        self.table = table
+        self.local = slots_local
+        self.limit = limit
+        self.on_compile_start = on_compile_start
+        self.on_compile_end = on_compile_end
+        self.on_graph = on_graph
+        self.snapshot = snapshot
+        self.bucket_label = bucket_label
+        self.clock = clock
+
+
+class GuardBackend:
+    """The backend handed to ``torch.compile``: records each graph, then compiles it."""
+
+    def __init__(self, compiler: CompilerFn, hooks: GraphHooks, label: str) -> None:
+        self._compiler = compiler
+        self._hooks = hooks
+        self._made: dict[tuple[Any, ...], tuple[GraphRecord, Callable[..., Any]]] = {}
+        self.__name__ = f"safecompile[{label}]"
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        hooks = self._hooks
+        started = trace_started() or time.perf_counter()
+        hooks.on_compile_start()
+        try:
+            code = _code_name()
+            twin = _twin_key(code, gm, example_inputs)
+            made = self._made.get(twin)
+            if made is not None:
+                # Threads racing on one new input signature each made dynamo trace it;
+                # torch does not de-duplicate: the first compile serves them all.
+                return _instrument(made[0], made[1], hooks)
+            compiled = hooks.table.compiled_for(code) < hooks.limit
+            if compiled:
+                # Compile the backward graph now, not lazily at .backward(): a failure
+                # then surfaces here, on the guarded call, where eager can answer it.
+                with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                    inner = self._compiler(gm, example_inputs)
+            else:
+                inner = gm.forward  # past the recompile limit: the traced graph, eagerly
+            random = random_op(gm)
+            outside = outside_effects()
+            unchecked = None
+            if random is not None:
+                unchecked = (
+                    f"the graph draws random numbers ({random}): compiled and eager streams differ"
+                )
+            elif outside is not None:
+                unchecked = (
+                    f"the call updates a Python object it was given ({outside}): eager "
+                    "cannot rerun it without applying the update twice"
+                )
+            record = hooks.table.add(
+                label=describe_inputs(gm),
+                code=code,
+                compiled=compiled,
+                bucket=hooks.bucket_label(),
+                unchecked=unchecked,
+            )
+            record.compile_s = time.perf_counter() - started
+            record.breaks = graph_breaks_of(gm, include_resumed=True)
+            record.mutates = mutates_in_place(gm)
+            self._made[twin] = (record, inner)
+            hooks.on_graph(record, gm)
+        finally:
+            hooks.on_compile_end()
+        return _instrument(record, inner, hooks)
+
+
+def _instrument(
+    record: GraphRecord, inner: Callable[..., Any], hooks: GraphHooks
+) -> Callable[..., Any]:
+    """The compiled graph as torch will run it: first note the run in the caller's slot."""
+    local = hooks.local
+    snapshot = hooks.snapshot
+    clock = hooks.clock
+
+    def run(*args: Any) -> Any:
+        slot: Slot | None = getattr(local, "slot", None)
+        if slot is None:  # not called through the guard (torch internals): just run
+            return inner(*args)
+        record.calls += 1
+        due = record.countdown <= 0 or slot.force
+        if slot.first is None:
+            slot.first = record
+            if due or record.prep:
+                slot.snapshot = snapshot(args, record.mutates)
+                slot.started = clock()
+            else:
+                slot.snapshot = None
+        if due:
+            if slot.due is None:
+                slot.due = [record]
+            else:
+                slot.due.append(record)
+        else:
+            record.countdown -= 1
+        return inner(*args)
+
+    run.__name__ = f"safecompile_graph_{record.id}"
+    return run
+
+
+# ---------------------------------------------------------------- compile timing
+
+_TRACE = threading.local()
+
+
+def _on_trace_start(_args: object) -> None:
+    _TRACE.started = time.perf_counter()
+
+
+def trace_started() -> float | None:
+    """When dynamo started tracing the frame now being compiled on this thread (once)."""
+    started: float | None = getattr(_TRACE, "started", None)
+    _TRACE.started = None
+    return started
+
+
+def time_tracing() -> None:
+    """Have dynamo's compile callbacks time tracing too, not only the backend (again
+    after ``torch._dynamo.reset()``, which clears them)."""
+    try:
+        handler = torch._dynamo.callback.callback_handler
+        if _on_trace_start not in handler.start_callbacks:
+            handler.register_start_callback(_on_trace_start)
+    except Exception:  # pragma: no cover - a torch without compile callbacks
+        pass
+
+
+_MODULE_STATE = ("_buffers", "_parameters", "_modules")
+
+
+def outside_effects() -> str | None:
+    """An object the caller passed in that the frame being compiled updates (a cache
+    object, a list or dict argument), by dynamo's account of its side effects, or
+    ``None``. Module buffers and attributes are not counted (a check puts those back
+    itself: :mod:`safecompile._state`), nor is the frame's own ``**kwargs`` dict."""
+    try:
+        tx = InstructionTranslator.current_tx()
+        code = tx.f_code
+        packed = set(code.co_varnames[code.co_argcount + code.co_kwonlyargcount :][:2])
+        for var in tx.output.side_effects._get_modified_vars():
+            if isinstance(var.mutation_type, AttributeMutationNew | ValueMutationNew):
+                continue
+            if isinstance(var, NNModuleVariable | UnspecializedNNModuleVariable):
+                continue
+            source: Any = var.source
+            base = source
+            while getattr(base, "base", None) is not None:
+                base = base.base
+            if not isinstance(base, LocalSource) or not base.is_input:
+                continue  # a global or a closure: not the caller's argument
+            if source is base and base.local_name in packed:
+                continue  # the frame's own *args / **kwargs container
+            name = getattr(source, "name", "")
+            name = str(name() if callable(name) else name)
+            if any(part in name for part in _MODULE_STATE):
+                continue
+            return name
+    except Exception:
+        return None
+    return None
+
+
+def _code_name() -> str:
+    """The code object dynamo is compiling (the function, or a resume function)."""
+    try:
+        code = InstructionTranslator.current_tx().f_code
+        return f"{code.co_name}@{code.co_filename}:{code.co_firstlineno}"
+    except Exception:
+        return "?"
+
+
+# ---------------------------------------------------------------- what a graph is
+
+
+def _twin_key(code: str, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> tuple[Any, ...]:
+    """What makes two graphs the same compile: code, graph, inputs' metadata, grad mode."""
+    inputs = tuple(
+        (
+            str(tuple(t.shape)),
+            str(t.stride()) if t.layout == torch.strided else "",
+            t.dtype,
+            t.device,
+            t.requires_grad,
+        )
+        if isinstance(t, torch.Tensor)
+        else str(t)
+        for t in example_inputs
+    )
+    return (code, gm.code, inputs, torch.is_grad_enabled())
+
+
+_IN_PLACE_FUNCTIONS = frozenset({"setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv"})
+_IN_PLACE_KWARG = "inplace"
+
+
+def mutates_in_place(gm: torch.fx.GraphModule) -> bool:
+    """Whether the graph may update a tensor in place (an input, a buffer, a parameter).
+
+    Conservative: any in-place op counts (``add_``, ``x[i] = v``, ``+=`` on a tensor,
+    ``inplace=True``, batch norm updating running statistics while training). A shadow
+    check of such a graph copies the state it may change first, so eager can rerun it.
+    """
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        name = _target_name(node.target)
+        if name in _IN_PLACE_FUNCTIONS or node.kwargs.get(_IN_PLACE_KWARG) is True:
+            return True
+        if name.endswith("_") and not name.endswith("__"):
+            return True
+        if name == "batch_norm" and (
+            node.kwargs.get("training") is True or (len(node.args) > 5 and node.args[5] is True)
+        ):
+            return True
+    return False
+
+
+def describe_inputs(gm: torch.fx.GraphModule) -> str:
+    """The graph's user inputs as text (parameters and buffers left out)."""
+    parts = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        name = str(node.target)
+        if "_parameters_" in name or "_buffers_" in name:
+            continue
+        value = node.meta.get("example_value", node.meta.get("val"))
+        if isinstance(value, torch.Tensor):
+            shape = "x".join(str(d) for d in value.shape) or "scalar"
+            parts.append(f"{shape}:{str(value.dtype).removeprefix('torch.')}")
+        elif isinstance(value, torch.SymInt | int | float | bool):
+            parts.append(type(value).__name__)
+    text = ", ".join(parts) or "no tensor inputs"
+    return text if len(text) <= 160 else text[:157] + "..."
+
+
+_DROPOUTS = frozenset(
+    {
+        "dropout",
+        "dropout1d",
+        "dropout2d",
+        "dropout3d",
+        "alpha_dropout",
+        "feature_dropout",
+        "feature_alpha_dropout",
+        "native_dropout",
+        "rrelu",
+        "scaled_dot_product_attention",
+    }
+)
+# Positional names where a builtin's signature cannot be read.
+_POSITIONAL = {
+    "scaled_dot_product_attention": ("query", "key", "value", "attn_mask", "dropout_p"),
+    "rrelu": ("input", "lower", "upper", "training"),
+}
+_SEEDED: dict[str, bool] = {}
+
+
+def _seeded(name: str) -> bool:
+    """Whether ATen's op of this name draws random numbers (its own tag says so)."""
+    found = _SEEDED.get(name)
+    if found is None:
+        packet = getattr(torch.ops.aten, name, None)
+        found = False
+        if packet is not None:
+            try:
+                found = any(
+                    torch.Tag.nondeterministic_seeded in getattr(packet, o).tags
+                    for o in packet.overloads()
+                )
+            except Exception:
+                found = False
+        _SEEDED[name] = found
+    return found
+
+
+def _target_name(target: object) -> str:
+    if isinstance(target, str):
+        return target
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target._opname)
+    return str(getattr(target, "__name__", "")).removeprefix("_")
+
+
+def _dropout_draws(
+    name: str, target: object, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> bool:
+    """Whether a dropout-like call draws: ``p > 0`` and training (positional or keyword).
+
+    ``rrelu`` draws only while training; attention draws only with ``dropout_p > 0``.
+    """
+    try:
+        bound = inspect.signature(target).bind(*args, **kwargs)  # type: ignore[arg-type]
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+    except (TypeError, ValueError):
+        names = _POSITIONAL.get(name, ("input", "p", "training"))  # torch.dropout(x, p, train)
+        values = dict(zip(names, args, strict=False)) | kwargs
+    if name == "rrelu":
+        return values.get("training", False) is not False
+    training = values.get("training", values.get("train", True))
+    if training is False:
+        return False
+    p = values.get("p", values.get("dropout_p", 0.0 if name.startswith("scaled") else None))
+    return not (isinstance(p, int | float) and p == 0)
+
+
+def random_op(gm: torch.fx.GraphModule) -> str | None:
+    """The first op of the graph that draws random numbers, or ``None``.
+
+    Decided from the ops themselves: ATen marks every op that draws with the tag
+    ``nondeterministic_seeded``; the dropout family draws only with ``p > 0`` while
+    training (``nn.Dropout`` passes ``training`` positionally, and in ``eval()`` it is
+    ``False``).
+    """
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        name = _target_name(node.target)
+        if name in _DROPOUTS or name.rstrip("_") in _DROPOUTS:
+            if node.op == "call_function" and _dropout_draws(
+                name.rstrip("_"), node.target, node.args, node.kwargs
+            ):
+                return name
+            continue
+        if name and _seeded(name):
+            return name
+    return None

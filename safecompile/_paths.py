@@ -1,0 +1,546 @@
+"""The paths a call takes: one hot-path closure, and the slow paths behind it.
+
+The hot path is one frame: re-read the kill switch only when the environment's value
+object changed, then — when the gate is open — call the compiled function and look at
+the calling thread's slot, where the graph wrappers noted which graph served the call
+and whether a check is due. Nothing due: count the call in the thread's own slot and
+return. Everything else is a slow path:
+
+- :func:`finish`: a check was due, a graph ran eagerly (recompile limit), or no graph
+  ran at all;
+- :func:`recover`: the compiled path raised; eager answers, on the caller's own
+  tensors (so gradients reach them), or eager's own error is raised;
+- :func:`call_slow`: the gate is closed (kill switch, trip and trial, rollout, a compile
+  or warmup in flight, nothing compiled yet), or a bucket still needs verifying.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import _killswitch as ks
+from ._bucketing import BucketEntry, BucketStatus, unmark
+from ._buckets import BucketError, Plan
+from ._compare import compare
+from ._controller import Controller
+from ._model import Event, EventKind, Reason
+from ._slots import Slot
+from ._source import safe_message, truncate
+
+__all__ = ["call_slow", "entrypoint", "finish", "recover"]
+
+# Exceptions raised while dynamo traces or a backend compiles (not by compiled code).
+_COMPILE_ERRORS: tuple[type[BaseException], ...] = (
+    torch._dynamo.exc.TorchDynamoException,
+    torch._dynamo.exc.FailOnRecompileLimitHit,
+)
+
+
+_NONE: Any = None  # typed Any: the call below changes what the slot holds
+
+
+def entrypoint(c: Controller) -> Callable[..., Any]:
+    """The guarded function (see the module doc)."""
+    if c.buckets is not None:
+        return _bucketed_entrypoint(c)
+    gate = c.gate
+    local = c.slots.local
+    new_slot = c.slots.get
+    env_get, env_key = _env_reader()
+    switch = ks.SWITCH
+    refresh = c.refresh_switch
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if env_get(env_key) is not gate.token or switch.generation != gate.generation:
+            refresh()
+        if gate.fast:
+            try:
+                slot: Slot = local.slot
+            except AttributeError:
+                slot = new_slot()
+            slot.first = _NONE  # the graph wrappers fill these in during the call
+            slot.due = _NONE
+            try:
+                out = gate.compiled(*args, **kwargs)
+            except Exception as exc:
+                failure: Exception = exc
+            else:
+                first = slot.first
+                if slot.due is None and first is not None and first.compiled:
+                    slot.compiled += 1
+                    return out
+                return finish(c, slot, out, args, kwargs)
+            return recover(c, failure, args, kwargs)  # outside except: eager's error unchained
+        return call_slow(c, args, kwargs)
+
+    return guarded
+
+
+def _bucketed_entrypoint(c: Controller) -> Callable[..., Any]:
+    """The hot path with buckets: plan, pad, call, cut back (see :func:`entrypoint`)."""
+    assert c.buckets is not None
+    gate = c.gate
+    local = c.slots.local
+    new_slot = c.slots.get
+    env_get, env_key = _env_reader()
+    switch = ks.SWITCH
+    refresh = c.refresh_switch
+    bucketer = c.buckets.bucketer
+    entries = c.buckets.entries
+    plan_of = bucketer.plan
+    pad = bucketer.pad
+    unpad = bucketer.unpad
+    pads = c.buckets.pads
+    ready = BucketStatus.READY
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        if env_get(env_key) is not gate.token or switch.generation != gate.generation:
+            refresh()
+        if gate.fast:
+            plan = plan_of(args, kwargs)
+            if plan is not None and plan.status == "bucketed":
+                entry = entries.get(plan.key)
+                padded = pads and plan.padded
+                if (
+                    entry is not None
+                    and entry.status is ready
+                    and (entry.cuts is not None or not padded)
+                ):
+                    try:
+                        slot: Slot = local.slot
+                    except AttributeError:
+                        slot = new_slot()
+                    slot.first = _NONE
+                    slot.due = _NONE
+                    try:
+                        if padded:
+                            a, k = pad(plan, args, kwargs)
+                            out = unpad(plan, gate.compiled(*a, **k), entry.cuts)
+                        else:
+                            out = gate.compiled(*args, **kwargs)
+                    except Exception as exc:
+                        failure: Exception = exc
+                    else:
+                        entry.count(plan, padded=padded)
+                        first = slot.first
+                        if slot.due is None and first is not None and first.compiled:
+                            slot.compiled += 1
+                            return out
+                        return finish(c, slot, out, args, kwargs)
+                    return recover(c, failure, args, kwargs, plan=plan, entry=entry)
+        return call_slow(c, args, kwargs)
+
+    return guarded
+
+
+def _env_reader() -> tuple[Callable[[object], object], object]:
+    """How the hot path reads the kill switch's raw environment value (see _killswitch)."""
+    data = ks._ENV_DATA
+    if data is not None:
+        return data.get, ks._ENV_KEY
+    return (lambda _key: ks.env_token()), None  # pragma: no cover
+
+
+# ---------------------------------------------------------------- after the compiled call
+
+
+def finish(
+    c: Controller,
+    slot: Slot,
+    out: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    warmup: bool = False,
+) -> Any:
+    """The compiled call returned, and something needs more than counting."""
+    first, due, snapshot, new = slot.first, slot.due, slot.snapshot, slot.new
+    slot.due = slot.snapshot = slot.new = None
+    if first is None or not first.compiled:
+        # No compiled graph served: dynamo ran the frame eagerly, or the graph is past
+        # the recompile limit and its traced code ran eagerly.
+        if not warmup:
+            slot.eager += 1
+            if first is not None:
+                slot.limited += 1
+        return out
+    if due:
+        if snapshot is None:
+            first.prep = True  # a later graph is due: capture the state at the first
+        else:
+            first.prep = False
+            compiled_s = c.clock() - slot.started if new is None else None
+            verdict = c.shadow.check(
+                c.table, due, snapshot, args, kwargs, out, compiled_s=compiled_s
+            )
+            if verdict.breach is not None:
+                c.trip(
+                    Reason.DRIFT,
+                    message=verdict.breach,
+                    graph=verdict.graph,
+                    max_abs=verdict.max_abs,
+                    max_rel=verdict.max_rel,
+                )
+                if not warmup:
+                    slot.eager += 1
+                return verdict.eager_out
+    if not warmup:
+        slot.compiled += 1
+    return out
+
+
+def recover(
+    c: Controller,
+    failure: Exception,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    plan: Plan | None = None,
+    entry: BucketEntry | None = None,
+    warmup: bool = False,
+) -> Any:
+    """The compiled path raised: answer with eager's result, or eager's own error."""
+    slot = c.slots.get()
+    slot.due = slot.snapshot = slot.new = None
+    if entry is not None and _bucket_fault(c, failure, entry):
+        return eager(c, args, kwargs, warmup=warmup)
+    user_error: Exception | None = None
+    out: Any = None
+    try:
+        out = c.fn(*args, **kwargs)
+    except Exception as exc:
+        user_error = exc
+    if not warmup:
+        slot.eager += 1
+    if user_error is not None:
+        del failure  # eager raises too: the user's own error, not the compiler's
+        raise user_error
+    if isinstance(failure, _COMPILE_ERRORS):
+        c.compile_failed(failure, args, kwargs)
+        c.trip(Reason.COMPILE_ERROR, error=failure, bucket=entry.label if entry else None)
+    else:
+        c.trip(Reason.RUNTIME_ERROR, error=failure, bucket=entry.label if entry else None)
+    return out
+
+
+def _bucket_fault(c: Controller, failure: Exception, entry: BucketEntry) -> bool:
+    """Whether the failure is the bucket's own (padding, cutting back, a dynamic range
+    torch cannot keep): then only that bucket is rejected."""
+    if isinstance(failure, BucketError):
+        reject_bucket(c, entry, f"padding or cutting back failed: {failure}")
+        return True
+    assert c.buckets is not None
+    first_range_compile = not c.buckets.pads and entry.status is BucketStatus.NEW
+    if _constraint_violation(failure) or (
+        first_range_compile and isinstance(failure, _COMPILE_ERRORS)
+    ):
+        reject_bucket(
+            c, entry, f"its range cannot be compiled as one dynamic graph: {safe_message(failure)}"
+        )
+        return True
+    return False
+
+
+def _constraint_violation(error: BaseException) -> bool:
+    seen: BaseException | None = error
+    for _ in range(8):
+        if seen is None:
+            return False
+        if "ConstraintViolation" in type(seen).__name__:
+            return True
+        seen = seen.__cause__ or getattr(seen, "inner_exception", None) or seen.__context__
+    return False
+
+
+def eager(c: Controller, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmup: bool) -> Any:
+    """Run eager and count it (a warmup call runs nothing: its result is discarded)."""
+    if warmup:
+        return None
+    slot = c.slots.get()
+    try:
+        return c.fn(*args, **kwargs)
+    finally:
+        slot.eager += 1
+
+
+# ---------------------------------------------------------------- the gate is closed
+
+
+def call_slow(
+    c: Controller, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmup: bool = False
+) -> Any:
+    """Every call the hot path does not take (see the module doc)."""
+    if c.gate.disabled:
+        return eager(c, args, kwargs, warmup=warmup)
+    trial = False
+    if c.breaker.tripped:
+        if warmup or not c.breaker.claim_trial():
+            return eager(c, args, kwargs, warmup=warmup)
+        trial = True
+        c.record(
+            Event(kind=EventKind.RETRY, time=time.time(), message="trying the compiled path again")
+        )
+    elif not warmup and c.rollout < 1.0 and not c.pick_compiled():
+        return eager(c, args, kwargs, warmup=warmup)
+    served = False
+    try:
+        if not warmup and not trial and (c.warming_up or c.compiles.busy_elsewhere()):
+            return eager(c, args, kwargs, warmup=warmup)  # a compile is in flight elsewhere
+        known = c.failures.known(args, kwargs) if c.failures.active else None
+        if known is not None:
+            c.trip(Reason.COMPILE_ERROR, message=known)
+            return eager(c, args, kwargs, warmup=warmup)
+        slot = c.slots.get()
+        before = slot.compiled
+        # Nothing compiled yet: own the first compile, so other threads serve eager
+        # instead of compiling the same graph again (torch does not de-duplicate).
+        if len(c.table) == 0:
+            with c.compiles.claim(exclusive=True) as mine:
+                if not mine and not warmup:
+                    return eager(c, args, kwargs, warmup=warmup)
+                out = _call_compiled(c, slot, args, kwargs, force=trial or warmup, warmup=warmup)
+        else:
+            out = _call_compiled(c, slot, args, kwargs, force=trial or warmup, warmup=warmup)
+        served = warmup or slot.compiled > before
+        return out
+    finally:
+        if trial:
+            _end_trial(c, served=served)
+
+
+def _end_trial(c: Controller, *, served: bool) -> None:
+    if not served:
+        with c.lock:
+            if not c.breaker.tripped:
+                return
+        c.breaker.end_trial_unserved()
+        return
+    if c.breaker.end_trial():
+        c.table.restart_canary()
+        c.update_gate()
+        c.record(
+            Event(kind=EventKind.RECOVERED, time=time.time(), message="compiled path serves again")
+        )
+
+
+def _call_compiled(
+    c: Controller,
+    slot: Slot,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    force: bool,
+    warmup: bool,
+) -> Any:
+    """Call the compiled function from the slow path (buckets planned here)."""
+    plan: Plan | None = None
+    entry: BucketEntry | None = None
+    if c.buckets is not None:
+        plan = c.buckets.bucketer.plan(args, kwargs)
+        if plan is not None and plan.status == "oversize":
+            if c.buckets.bucketer.policy.oversize == "eager":
+                return eager(c, args, kwargs, warmup=warmup)
+            plan = None  # compile the shape as it is
+        elif plan is not None and plan.status != "bucketed":
+            plan = None  # unbucketable: run it unpadded
+        if plan is not None:
+            entry = c.buckets.entry(plan)
+            if entry.status is BucketStatus.REJECTED:
+                return eager(c, args, kwargs, warmup=warmup)
+    slot.begin()
+    slot.force = force
+    c.slots.local.bucket = entry.label if entry is not None else None
+    try:
+        if plan is not None and entry is not None:
+            return _call_bucket(c, slot, plan, entry, args, kwargs, warmup=warmup)
+        try:
+            out = c.gate.compiled(*args, **kwargs)
+        except Exception as exc:
+            failure: Exception = exc
+        else:
+            return finish(c, slot, out, args, kwargs, warmup=warmup)
+        return recover(c, failure, args, kwargs, warmup=warmup)
+    finally:
+        slot.force = False
+        c.slots.local.bucket = None
+
+
+def _call_bucket(
+    c: Controller,
+    slot: Slot,
+    plan: Plan,
+    entry: BucketEntry,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    warmup: bool,
+) -> Any:
+    assert c.buckets is not None
+    bucketer = c.buckets.bucketer
+    padded = c.buckets.pads and plan.padded
+    marked: list[tuple[torch.Tensor, dict[str, Any]]] = []
+    if not c.buckets.pads and entry.status is BucketStatus.NEW:
+        marked = c.buckets.mark_range(plan, args, kwargs)
+    failure: Exception | None = None
+    try:
+        call_args, call_kwargs = bucketer.pad(plan, args, kwargs) if padded else (args, kwargs)
+        out = c.gate.compiled(*call_args, **call_kwargs)
+    except Exception as exc:
+        failure = exc
+    finally:
+        unmark(marked)
+    if failure is not None:
+        return recover(c, failure, args, kwargs, plan=plan, entry=entry, warmup=warmup)
+    if padded and entry.cuts is None:
+        return _verify_bucket(c, slot, plan, entry, out, args, kwargs, warmup=warmup)
+    if padded:
+        try:
+            out = bucketer.unpad(plan, out, entry.cuts)
+        except BucketError as exc:
+            reject_bucket(c, entry, f"outputs could not be cut back: {exc}")
+            slot.due = slot.snapshot = slot.new = None
+            return eager(c, args, kwargs, warmup=warmup)
+    if not c.buckets.pads:
+        entry.status = BucketStatus.READY
+    if not warmup:
+        entry.count(plan, padded=padded)
+    return finish(c, slot, out, args, kwargs, warmup=warmup)
+
+
+def _verify_bucket(
+    c: Controller,
+    slot: Slot,
+    plan: Plan,
+    entry: BucketEntry,
+    padded_out: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    warmup: bool,
+) -> Any:
+    """A bucket's first padded call: learn its output cut and verify its padding against
+    unpadded eager — on the caller's own tensors, so eager's result can be returned
+    with its gradients. Runs with shadow checks on or off."""
+    assert c.buckets is not None
+    bucketer = c.buckets.bucketer
+    due, first = slot.due, slot.first
+    slot.due = slot.snapshot = slot.new = None
+    eager_out = c.fn(*args, **kwargs)
+    try:
+        if bucketer.policy.outputs is not None:
+            cuts = bucketer.declared_cuts(plan, padded_out)
+        else:
+            cuts = bucketer.learn_cuts(plan, padded_out, eager_out)
+        out = bucketer.unpad(plan, padded_out, cuts)
+    except (BucketError, ValueError) as exc:
+        reject_bucket(c, entry, f"outputs cannot be cut back: {exc}")
+        return _served_eager(slot, eager_out, warmup=warmup)
+    rtol, atol = c.shadow.tolerances()
+    result = compare(out, eager_out, rtol=rtol, atol=atol)
+    c.shadow.note(first, entry.label, result)
+    for graph in due or ():
+        c.table.checked(graph)
+    if result.ok:
+        entry.cuts = cuts
+        entry.status = BucketStatus.READY
+        if not warmup:
+            entry.count(plan, padded=True)
+            slot.compiled += 1
+        return out
+    # Padding's fault, or the compiler's? Eager on the padded inputs tells.
+    with torch.no_grad():
+        padded_args, padded_kwargs = bucketer.pad(plan, args, kwargs)
+        padded_eager = bucketer.unpad(plan, c.fn(*padded_args, **padded_kwargs), cuts)
+    padding = compare(padded_eager, eager_out, rtol=rtol, atol=atol)
+    if not padding.ok:
+        reject_bucket(
+            c,
+            entry,
+            f"padding changed the result: {padding.reason}",
+            max_abs=padding.max_abs,
+            max_rel=padding.max_rel,
+        )
+    else:
+        c.trip(
+            Reason.DRIFT,
+            message=result.reason or "outputs differ",
+            bucket=entry.label,
+            graph=first,
+            max_abs=result.max_abs,
+            max_rel=result.max_rel,
+        )
+    return _served_eager(slot, eager_out, warmup=warmup)
+
+
+def _served_eager(slot: Slot, out: Any, *, warmup: bool) -> Any:
+    if warmup:
+        return None
+    slot.eager += 1
+    return out
+
+
+def reject_bucket(
+    c: Controller,
+    entry: BucketEntry,
+    why: str,
+    *,
+    max_abs: float | None = None,
+    max_rel: float | None = None,
+) -> None:
+    """Stop using a bucket: its calls run eager from now on (the callable stays up)."""
+    with c.lock:
+        if entry.status is BucketStatus.REJECTED:
+            return
+        entry.status = BucketStatus.REJECTED
+        entry.why = truncate(why, 300)
+    c.record(
+        Event(
+            kind=EventKind.BUCKET_REJECTED,
+            reason=Reason.DRIFT,
+            time=time.time(),
+            bucket=entry.label,
+            message=truncate(f"bucket not used: {why}"),
+            max_abs_diff=max_abs,
+            max_rel_diff=max_rel,
+            file=c.location.file if c.location else None,
+            line=c.location.line if c.location else None,
+            function=c.location.function if c.location else None,
+        )
+    )
+
+
+def start_background(c: Controller, run: Callable[[], None]) -> None:
+    """Run a warmup on a worker thread while eager serves (see ``Warmup(background=)``).
+
+    inductor traces one helper module with ``torch.fx.symbolic_trace`` the first time it
+    lowers a graph, which patches ``nn.Module.__call__`` for the whole process while it
+    runs: an eager call on another thread in that window can fail. That one-time trace
+    is done here, before any live call can overlap it.
+    """
+    if c.opts.backend_label == "inductor":
+        _close_symbolic_trace_window()
+    c.background_warmup(pending=True)
+
+    def work() -> None:
+        try:
+            run()
+        except Exception as exc:
+            c.note_warmup_error(exc)
+        finally:
+            c.background_warmup(pending=False)
+
+    threading.Thread(target=work, name=f"safecompile-warmup:{c.name}", daemon=True).start()
+
+
+def _close_symbolic_trace_window() -> None:
+    try:
+        from torch._inductor.loop_body import InterpreterShim  # noqa: PLC0415 - inductor only
+
+        InterpreterShim._dummy_gm()
+    except Exception:  # pragma: no cover - another torch: nothing to close
+        pass

@@ -1,0 +1,90 @@
+"""Per-thread call slots: what one call saw, and lock-free call counters.
+
+Every thread that calls a guarded callable gets one :class:`Slot` (a thread-local).
+The hot path writes into its own slot only, so counting a call takes no lock; the
+graph wrappers (:mod:`safecompile._graphs`) note there which graph served the call and
+whether a check is due. :meth:`Slots.totals` sums the slots of every thread, living or
+dead, for ``stats()``.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._graphs import GraphRecord
+    from ._state import Snapshot
+
+__all__ = ["Slot", "Slots"]
+
+
+class Slot:
+    """One thread's view of its current call, and its counters."""
+
+    __slots__ = (
+        "compiled",
+        "due",
+        "eager",
+        "first",
+        "force",
+        "limited",
+        "new",
+        "snapshot",
+        "started",
+    )
+
+    def __init__(self) -> None:
+        self.compiled = 0  # calls served by compiled graphs
+        self.eager = 0  # calls served eagerly
+        self.limited = 0  # of those, eager because of the recompile limit
+        self.first: GraphRecord | None = None  # the first graph that ran in this call
+        self.due: list[GraphRecord] | None = None  # graphs whose check is due
+        self.force = False  # check this call whatever the countdowns say (trials, warmup)
+        self.snapshot: Snapshot | None = None  # state before the first graph ran
+        self.new: list[GraphRecord] | None = None  # graphs compiled during this call
+        self.started = 0.0  # clock when the first graph of a checked call started
+
+    def begin(self) -> None:
+        """Forget the previous call (the slow path's form of the hot path's two writes)."""
+        self.first = None
+        self.due = None
+        self.snapshot = None
+        self.new = None
+
+
+class Slots:
+    """The slots of one guarded callable, one per calling thread."""
+
+    def __init__(self) -> None:
+        self.local: Any = threading.local()
+        self._lock = threading.Lock()
+        self._all: list[Slot] = []
+
+    def get(self) -> Slot:
+        """This thread's slot (made on its first call)."""
+        try:
+            slot: Slot = self.local.slot
+        except AttributeError:
+            slot = Slot()
+            self.local.slot = slot
+            with self._lock:
+                self._all.append(slot)
+        return slot
+
+    def totals(self) -> tuple[int, int, int]:
+        """``(compiled, eager, limited)`` calls over every thread."""
+        with self._lock:
+            slots = list(self._all)
+        compiled = eager = limited = 0
+        for slot in slots:
+            compiled += slot.compiled
+            eager += slot.eager
+            limited += slot.limited
+        return compiled, eager, limited
+
+    def clear(self) -> None:
+        """Zero every counter (``reset()``)."""
+        with self._lock:
+            for slot in self._all:
+                slot.compiled = slot.eager = slot.limited = 0
