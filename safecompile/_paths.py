@@ -275,49 +275,55 @@ def call_slow(
     c: Controller, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmup: bool = False
 ) -> Any:
     """Every call the hot path does not take (see the module doc)."""
-    if c.gate.disabled:
+    admitted = _admit(c, args, kwargs, warmup=warmup)
+    if admitted is None:
         return eager(c, args, kwargs, warmup=warmup)
-    trial = False
+    trial = admitted == "trial"
+    slot = c.slots.get()
+    before = slot.compiled
+    try:
+        if len(c.table) > 0:
+            return _call_compiled(c, slot, args, kwargs, force=trial or warmup, warmup=warmup)
+        # Nothing compiled yet: own the first compile, so other threads serve eager
+        # instead of compiling the same graph again (torch does not de-duplicate).
+        with c.compiles.claim(exclusive=True) as mine:
+            if not mine and not warmup:
+                return eager(c, args, kwargs, warmup=warmup)
+            return _call_compiled(c, slot, args, kwargs, force=trial or warmup, warmup=warmup)
+    finally:
+        if trial:
+            _end_trial(c, served=slot.compiled > before)
+
+
+def _admit(
+    c: Controller, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmup: bool
+) -> str | None:
+    """Whether this call may try the compiled path: ``"trial"`` (the half-open trial),
+    ``"compiled"``, or ``None`` (eager serves it)."""
+    if c.gate.disabled:
+        return None
     if c.breaker.tripped:
         if warmup or not c.breaker.claim_trial():
-            return eager(c, args, kwargs, warmup=warmup)
-        trial = True
+            return None
         c.record(
             Event(kind=EventKind.RETRY, time=time.time(), message="trying the compiled path again")
         )
-    elif not warmup and c.rollout < 1.0 and not c.pick_compiled():
-        return eager(c, args, kwargs, warmup=warmup)
-    served = False
-    try:
-        if not warmup and not trial and (c.warming_up or c.compiles.busy_elsewhere()):
-            return eager(c, args, kwargs, warmup=warmup)  # a compile is in flight elsewhere
-        known = c.failures.known(args, kwargs) if c.failures.active else None
-        if known is not None:
-            c.trip(Reason.COMPILE_ERROR, message=known)
-            return eager(c, args, kwargs, warmup=warmup)
-        slot = c.slots.get()
-        before = slot.compiled
-        # Nothing compiled yet: own the first compile, so other threads serve eager
-        # instead of compiling the same graph again (torch does not de-duplicate).
-        if len(c.table) == 0:
-            with c.compiles.claim(exclusive=True) as mine:
-                if not mine and not warmup:
-                    return eager(c, args, kwargs, warmup=warmup)
-                out = _call_compiled(c, slot, args, kwargs, force=trial or warmup, warmup=warmup)
-        else:
-            out = _call_compiled(c, slot, args, kwargs, force=trial or warmup, warmup=warmup)
-        served = warmup or slot.compiled > before
-        return out
-    finally:
-        if trial:
-            _end_trial(c, served=served)
+        return "trial"
+    if not warmup and c.rollout < 1.0 and not c.pick_compiled():
+        return None
+    if not warmup and (c.warming_up or c.compiles.busy_elsewhere()):
+        return None  # a compile is in flight elsewhere: eager serves meanwhile
+    known = c.failures.known(args, kwargs) if c.failures.active else None
+    if known is not None:
+        c.trip(Reason.COMPILE_ERROR, message=known)
+        return None
+    return "compiled"
 
 
 def _end_trial(c: Controller, *, served: bool) -> None:
+    """The trial call ended: close the breaker if compiled served it and nothing tripped
+    it again; a trial served eagerly (its bucket runs eager) leaves the next call to try."""
     if not served:
-        with c.lock:
-            if not c.breaker.tripped:
-                return
         c.breaker.end_trial_unserved()
         return
     if c.breaker.end_trial():

@@ -134,28 +134,12 @@ class ShadowRunner:
     ) -> Verdict:
         """Check one call whose graphs ``due`` wanted a check; see the module doc."""
         graph = due[0]
-        if self.policy is None:
-            return Verdict()
-        if snapshot is None:  # the controller has the call's first graph capture it
+        # No snapshot: the controller has the call's first graph capture it next time.
+        if self.policy is None or snapshot is None:
             return Verdict()
         changed = snapshot.changed()
-        if changed:
-            why = snapshot.unrestorable()
-            if why is not None:
-                if "parameter" in why:
-                    for g in due:
-                        table.never_check(g, f"{why}: eager cannot rerun it faithfully")
-                    self._skip(graph, f"{why}; this graph is not checked")
-                else:
-                    for g in due:
-                        g.mutates = True
-                    self._skip(graph, f"{why}; from its next check on, the state is restored")
-                return Verdict()
-            if self.policy.mode == "async":
-                for g in due:
-                    table.never_check(g, "it updates state, which an async check cannot isolate")
-                self._skip(graph, "it updates module or input state: use Shadow(mode='sync')")
-                return Verdict()
+        if changed and not self._can_restore(table, due, snapshot):
+            return Verdict()
         canary = any(g.canary_left > 0 for g in due)
         for g in due:
             table.checked(g)
@@ -182,6 +166,26 @@ class ShadowRunner:
             max_rel=result.max_rel,
             graph=graph,
         )
+
+    def _can_restore(self, table: GraphTable, due: list[GraphRecord], snapshot: Snapshot) -> bool:
+        """The call changed state: can a check put it back and rerun eager? If not, say
+        why once, and either copy the state from the next check on, or never check."""
+        assert self.policy is not None
+        graph = due[0]
+        why = snapshot.unrestorable()
+        if why is not None and "parameter" not in why:
+            for g in due:
+                g.mutates = True
+            self._skip(graph, f"{why}; from its next check on, the state is restored")
+            return False
+        if why is None and self.policy.mode == "sync":
+            return True
+        why = why or "it updates state, which an async check cannot isolate"
+        for g in due:
+            table.never_check(g, why)
+        hint = "" if self.policy.mode == "sync" else " (Shadow(mode='sync') can check it)"
+        self._skip(graph, f"{why}; this graph is not checked{hint}")
+        return False
 
     def note(self, graph: GraphRecord | None, bucket: str | None, result: Comparison) -> None:
         """Count a comparison the controller made itself (a bucket's padding check)."""

@@ -59,7 +59,8 @@ class Slots:
     def __init__(self) -> None:
         self.local: Any = threading.local()
         self._lock = threading.Lock()
-        self._all: list[Slot] = []
+        self._all: list[tuple[threading.Thread, Slot]] = []
+        self._gone = Slot()  # the counts of threads that have ended
 
     def get(self) -> Slot:
         """This thread's slot (made on its first call)."""
@@ -69,22 +70,35 @@ class Slots:
             slot = Slot()
             self.local.slot = slot
             with self._lock:
-                self._all.append(slot)
+                self._all.append((threading.current_thread(), slot))
         return slot
 
     def totals(self) -> tuple[int, int, int]:
-        """``(compiled, eager, limited)`` calls over every thread."""
+        """``(compiled, eager, limited)`` calls over every thread.
+
+        The slots of threads that have ended are folded into one, so a server that
+        starts a thread per request does not grow the list.
+        """
         with self._lock:
-            slots = list(self._all)
-        compiled = eager = limited = 0
-        for slot in slots:
-            compiled += slot.compiled
-            eager += slot.eager
-            limited += slot.limited
-        return compiled, eager, limited
+            living = []
+            gone = self._gone
+            for thread, slot in self._all:
+                if thread.is_alive():
+                    living.append((thread, slot))
+                    continue
+                gone.compiled += slot.compiled
+                gone.eager += slot.eager
+                gone.limited += slot.limited
+            self._all = living
+            slots = [gone, *(slot for _, slot in living)]
+        return (
+            sum(s.compiled for s in slots),
+            sum(s.eager for s in slots),
+            sum(s.limited for s in slots),
+        )
 
     def clear(self) -> None:
         """Zero every counter (``reset()``)."""
         with self._lock:
-            for slot in self._all:
+            for slot in (self._gone, *(slot for _, slot in self._all)):
                 slot.compiled = slot.eager = slot.limited = 0

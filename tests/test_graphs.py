@@ -1,0 +1,85 @@
+"""Graph identity internals: randomness and in-place updates read from the ops, slots."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from safecompile import Warmup, safe_compile
+from safecompile._graphs import mutates_in_place, random_op
+
+
+def traced(fn: Callable[..., Any]) -> torch.fx.GraphModule:
+    return torch.fx.symbolic_trace(fn)
+
+
+@pytest.mark.parametrize(
+    ("fn", "expected"),
+    [
+        (lambda x: F.dropout(x, 0.1, False, False), None),  # nn.Dropout in eval()
+        (lambda x: F.dropout(x, 0.0, True), None),
+        (lambda x: F.dropout(x, p=0.5, training=True), "dropout"),
+        (lambda x: F.dropout(x, 0.5), "dropout"),  # training defaults to True
+        (lambda x: F.normalize(x, dim=-1), None),  # "normal" in a name is no random draw
+        (lambda x: F.layer_norm(x, (4,)), None),
+        (lambda x: x + torch.randn_like(x), "randn_like"),
+        (lambda x: x.bernoulli_(0.5), "bernoulli_"),
+        (lambda x: F.rrelu(x, training=False), None),
+        (lambda x: F.rrelu(x, training=True), "rrelu"),
+        (lambda q: F.scaled_dot_product_attention(q, q, q), None),
+        (
+            lambda q: F.scaled_dot_product_attention(q, q, q, dropout_p=0.1),
+            "scaled_dot_product_attention",
+        ),
+    ],
+)
+def test_random_op_reads_the_ops_and_their_arguments(
+    fn: Callable[..., Any], expected: str | None
+) -> None:
+    """A graph draws random numbers by ATen's own tag; dropout only with p > 0 in training."""
+    assert random_op(traced(fn)) == expected
+
+
+@pytest.mark.parametrize(
+    ("fn", "expected"),
+    [
+        (lambda x: x * 2 + 1, False),
+        (lambda x: x.add_(1), True),
+        (lambda x: F.relu(x, inplace=True), True),
+        (lambda x, m, v: F.batch_norm(x, m, v, training=True), True),
+        (lambda x, m, v: F.batch_norm(x, m, v, training=False), False),
+    ],
+)
+def test_mutates_in_place_spots_in_place_updates(fn: Callable[..., Any], expected: bool) -> None:
+    """In-place ops (and batch norm's running statistics while training) are updates."""
+    assert mutates_in_place(traced(fn)) is expected
+
+
+def test_ended_threads_fold_their_counts() -> None:
+    """Calls from many short-lived threads are all counted, and their slots do not pile up."""
+    g = safe_compile(lambda x: x + 1, backend="eager", shadow=None)
+    x = torch.ones(2)
+    g(x)
+    for _ in range(20):
+        t = threading.Thread(target=g, args=(x,))
+        t.start()
+        t.join()
+    stats = g.safecompile.stats()
+    assert stats.calls == 21 == stats.compiled_calls + stats.eager_calls
+    assert len(g.safecompile.slots._all) <= 2
+
+
+def test_background_inductor_warmup_closes_the_symbolic_trace_window() -> None:
+    """inductor's one-time symbolic_trace (which patches nn.Module.__call__ process-wide)
+    runs before a background warmup starts, never beside a live eager call."""
+    from torch._inductor.loop_body import InterpreterShim
+
+    InterpreterShim._dummy_gm.cache_clear()
+    g = safe_compile(lambda x: x + 1, backend="inductor", warmup=Warmup(inputs=[], background=True))
+    assert g.safecompile.wait_warm(10)
+    assert InterpreterShim._dummy_gm.cache_info().currsize == 1
