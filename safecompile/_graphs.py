@@ -247,8 +247,9 @@ def _instrument(
     clock = hooks.clock
 
     def run(*args: Any) -> Any:
-        slot: Slot | None = getattr(local, "slot", None)
-        if slot is None:  # not called through the guard (torch internals): just run
+        try:
+            slot: Slot = local.slot
+        except AttributeError:  # not called through the guard (torch internals): just run
             return inner(*args)
         record.calls += 1
         due = record.countdown <= 0 or slot.force

@@ -49,6 +49,7 @@ def entrypoint(c: Controller) -> Callable[..., Any]:
     if c.buckets is not None:
         return _bucketed_entrypoint(c)
     gate = c.gate
+    fn = c.fn
     local = c.slots.local
     new_slot = c.slots.get
     env_get, env_key = _env_reader()
@@ -76,6 +77,11 @@ def entrypoint(c: Controller) -> Callable[..., Any]:
                     return out
                 return finish(c, slot, out, args, kwargs)
             return recover(c, failure, args, kwargs)  # outside except: eager's error unchained
+        if gate.disabled:  # the kill switch: eager, in this frame
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                new_slot().eager += 1
         return call_slow(c, args, kwargs)
 
     return guarded
@@ -85,6 +91,7 @@ def _bucketed_entrypoint(c: Controller) -> Callable[..., Any]:
     """The hot path with buckets: plan, pad, call, cut back (see :func:`entrypoint`)."""
     assert c.buckets is not None
     gate = c.gate
+    fn = c.fn
     local = c.slots.local
     new_slot = c.slots.get
     env_get, env_key = _env_reader()
@@ -133,6 +140,11 @@ def _bucketed_entrypoint(c: Controller) -> Callable[..., Any]:
                             return out
                         return finish(c, slot, out, args, kwargs)
                     return recover(c, failure, args, kwargs, plan=plan, entry=entry)
+        elif gate.disabled:  # the kill switch: eager, in this frame
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                new_slot().eager += 1
         return call_slow(c, args, kwargs)
 
     return guarded
@@ -303,21 +315,28 @@ def _admit(
     if c.gate.disabled:
         return None
     if c.breaker.tripped:
-        if warmup or not c.breaker.claim_trial():
-            return None
-        c.record(
-            Event(kind=EventKind.RETRY, time=time.time(), message="trying the compiled path again")
-        )
-        return "trial"
-    if not warmup and c.rollout < 1.0 and not c.pick_compiled():
+        return _claim_trial(c) if not warmup else None
+    if not warmup and (
+        (c.rollout < 1.0 and not c.pick_compiled())
+        or c.warming_up
+        or c.compiles.busy_elsewhere()  # a compile is in flight elsewhere: eager meanwhile
+    ):
         return None
-    if not warmup and (c.warming_up or c.compiles.busy_elsewhere()):
-        return None  # a compile is in flight elsewhere: eager serves meanwhile
     known = c.failures.known(args, kwargs) if c.failures.active else None
     if known is not None:
         c.trip(Reason.COMPILE_ERROR, message=known)
         return None
     return "compiled"
+
+
+def _claim_trial(c: Controller) -> str | None:
+    """A tripped callable: this call is the half-open trial, once the wait is over."""
+    if not c.breaker.claim_trial():
+        return None
+    c.record(
+        Event(kind=EventKind.RETRY, time=time.time(), message="trying the compiled path again")
+    )
+    return "trial"
 
 
 def _end_trial(c: Controller, *, served: bool) -> None:
