@@ -33,15 +33,8 @@ def backend_name(backend: str | Callable[..., Any]) -> str:
     return str(name)
 
 
-def validate_compile_options(
-    *,
-    backend: object,
-    mode: object,
-    options: object,
-    dynamic: object,
-    fullgraph: object,
-) -> None:
-    """Refuse what ``torch.compile`` would refuse later (or silently ignore), now."""
+def _validate_backend(backend: object) -> str | Callable[..., Any]:
+    """``backend`` itself, once it is known to be a backend name or a callable."""
     if isinstance(backend, str):
         known = _known_backends()
         if backend not in known:
@@ -54,37 +47,58 @@ def validate_compile_options(
             "safe_compile(backend=...) must be a backend name or a callable "
             f"(gm, example_inputs) -> callable, got {type(backend).__name__}"
         )
+    return backend
+
+
+def _validate_mode(backend: str | Callable[..., Any], mode: object) -> None:
+    if mode is None:
+        return
+    modes = sorted(torch._inductor.list_mode_options())
+    if not isinstance(mode, str) or mode not in modes:
+        raise ConfigError(f"safe_compile(mode={mode!r}) must be None or one of: {', '.join(modes)}")
+    if backend != "inductor" and mode != "default":
+        raise ConfigError(
+            f"safe_compile(mode={mode!r}) only applies to backend='inductor', "
+            f"got backend={backend_name(backend)!r}"
+        )
+
+
+def _validate_options(backend: object, mode: object, options: object) -> None:
+    if options is None:
+        return
+    if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
+        raise ConfigError(
+            "safe_compile(options=...) must be a dict of option name to value, "
+            f"got {type(options).__name__}"
+        )
     if mode is not None:
-        modes = sorted(torch._inductor.list_mode_options())
-        if not isinstance(mode, str) or mode not in modes:
+        raise ConfigError(
+            "safe_compile(mode=..., options=...): give one of them, not both "
+            "(torch.compile refuses both)"
+        )
+    if backend == "inductor":
+        known_options = set(torch._inductor.list_options())
+        special = {"guard_filter_fn", "use_aoti"}
+        unknown = sorted(k for k in options if k not in known_options and k not in special)
+        if unknown:
             raise ConfigError(
-                f"safe_compile(mode={mode!r}) must be None or one of: {', '.join(modes)}"
+                f"safe_compile(options=...) has unknown inductor options: {', '.join(unknown)} "
+                "(torch._inductor.list_options() lists the allowed ones)"
             )
-        if backend != "inductor" and mode != "default":
-            raise ConfigError(
-                f"safe_compile(mode={mode!r}) only applies to backend='inductor', "
-                f"got backend={backend_name(backend)!r}"
-            )
-    if options is not None:
-        if not isinstance(options, Mapping) or not all(isinstance(k, str) for k in options):
-            raise ConfigError(
-                "safe_compile(options=...) must be a dict of option name to value, "
-                f"got {type(options).__name__}"
-            )
-        if mode is not None:
-            raise ConfigError(
-                "safe_compile(mode=..., options=...): give one of them, not both "
-                "(torch.compile refuses both)"
-            )
-        if backend == "inductor":
-            known_options = set(torch._inductor.list_options())
-            special = {"guard_filter_fn", "use_aoti"}
-            unknown = sorted(k for k in options if k not in known_options and k not in special)
-            if unknown:
-                raise ConfigError(
-                    f"safe_compile(options=...) has unknown inductor options: {', '.join(unknown)} "
-                    "(torch._inductor.list_options() lists the allowed ones)"
-                )
+
+
+def validate_compile_options(
+    *,
+    backend: object,
+    mode: object,
+    options: object,
+    dynamic: object,
+    fullgraph: object,
+) -> None:
+    """Refuse what ``torch.compile`` would refuse later (or silently ignore), now."""
+    checked_backend = _validate_backend(backend)
+    _validate_mode(checked_backend, mode)
+    _validate_options(backend, mode, options)
     if dynamic is not None and not isinstance(dynamic, bool):
         raise ConfigError(f"safe_compile(dynamic=...) must be None, True or False, got {dynamic!r}")
     if not isinstance(fullgraph, bool):

@@ -363,6 +363,9 @@ class _Slot:
     dims: tuple[int, ...]
 
 
+_Found = list[tuple[_Slot, int | str, _Tensor]]  # what Bucketer._find returns
+
+
 class Bucketer:
     """Pads one callable's bucketed arguments and cuts its outputs back.
 
@@ -454,21 +457,7 @@ class Bucketer:
             else:
                 memo_key = (type(a), type(b))
         else:
-            sig: list[Any] = []
-            for a in args:
-                if isinstance(a, _Tensor):
-                    sig.append(a.shape)
-                    sig.append(a.dtype)
-                else:
-                    sig.append(type(a))
-            for k, v in kwargs.items():
-                sig.append(k)
-                if isinstance(v, _Tensor):
-                    sig.append(v.shape)
-                    sig.append(v.dtype)
-                else:
-                    sig.append(type(v))
-            memo_key = tuple(sig)
+            memo_key = _signature_key(args, kwargs)
         found = self._memo.get(memo_key, _MISS)
         if found is _MISS:
             found = self._plan(args, kwargs)
@@ -506,19 +495,7 @@ class Bucketer:
         if not found and problem is None:
             return None
 
-        lengths: list[tuple[str, int, int]] = []  # name, dim, length
-        norm: dict[str, tuple[int, ...]] = {}
-        for slot, _, tensor in found:
-            ndim = tensor.dim()
-            dims = tuple(d + ndim if d < 0 else d for d in slot.dims)
-            bad = [d for d, n in zip(slot.dims, dims, strict=True) if not 0 <= n < ndim]
-            if bad:
-                problem = problem or (
-                    f"{slot.name} has {ndim} dims; bucketed dim {bad[0]} is out of range"
-                )
-                continue
-            norm[slot.name] = dims
-            lengths.extend((slot.name, d, int(tensor.shape[d])) for d in dims)
+        norm, lengths, problem = _normalize_dims(found, problem)
         distinct = {n for _, _, n in lengths}
         if problem is None and len(distinct) > 1:
             shown = ", ".join(f"{name}[{d}]={n}" for name, d, n in lengths)
@@ -534,26 +511,43 @@ class Bucketer:
         else:
             status = "bucketed"
 
-        targets: list[_Target] = []
+        targets: tuple[_Target, ...] = ()
         if status == "bucketed" and size != length:
-            for slot, where, tensor in found:
-                value = self.policy.pad_for(slot.name)
-                if not _fits(value, tensor.dtype):
-                    problem = (
-                        f"pad value {value!r} for {slot.name} does not fit its dtype "
-                        f"{str(tensor.dtype).removeprefix('torch.')}"
-                    )
-                    status, size, targets = "unbucketable", length, []
-                    break
-                shape = tuple(tensor.shape)
-                pad = [0] * (2 * len(shape))
-                for d in norm[slot.name]:
-                    pad[2 * (len(shape) - 1 - d) + 1] = size - shape[d]
-                while pad and pad[-1] == 0 and pad[-2] == 0:
-                    del pad[-2:]
-                targets.append(_Target(slot.name, where, shape, tuple(pad), value))
+            targets, pad_problem = self._targets(found, norm, size)
+            if pad_problem is not None:
+                problem = pad_problem
+                status, size = "unbucketable", length
 
         padded_dims = norm if status == "bucketed" else {}
+        key = (status, size, self._entries(args, kwargs, padded_dims, size))
+        return Plan(key, status, length, size, problem, targets)
+
+    def _targets(
+        self, found: _Found, norm: Mapping[str, tuple[int, ...]], size: int
+    ) -> tuple[tuple[_Target, ...], str | None]:
+        """How to pad each bucketed tensor up to ``size``, or a pad value that cannot be
+        used (then no targets)."""
+        targets = []
+        for slot, where, tensor in found:
+            value = self.policy.pad_for(slot.name)
+            if not _fits(value, tensor.dtype):
+                return (), (
+                    f"pad value {value!r} for {slot.name} does not fit its dtype "
+                    f"{str(tensor.dtype).removeprefix('torch.')}"
+                )
+            shape = tuple(tensor.shape)
+            pad = _pad_widths(shape, norm[slot.name], size)
+            targets.append(_Target(slot.name, where, shape, pad, value))
+        return tuple(targets), None
+
+    def _entries(
+        self,
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        padded_dims: Mapping[str, tuple[int, ...]],
+        size: int,
+    ) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+        """The key's part for the call's top-level tensors, by parameter name."""
         entries = []
         for i, a in enumerate(args):
             if isinstance(a, _Tensor):
@@ -563,8 +557,7 @@ class Bucketer:
             if isinstance(v, _Tensor):
                 entries.append(_entry(k, v, padded_dims.get(k, ()), size))
         entries.sort(key=lambda e: e[0])
-        key = (status, size, tuple(entries))
-        return Plan(key, status, length, size, problem, tuple(targets))
+        return tuple(entries)
 
     def pad(
         self, plan: Plan, args: tuple[Any, ...], kwargs: Mapping[str, Any]
@@ -702,28 +695,7 @@ class Bucketer:
 
     def _learn(self, p: object, e: object, path: str, plan: Plan) -> _Node:
         if isinstance(p, _Tensor):
-            if not isinstance(e, _Tensor):
-                raise UnpadError(
-                    f"{_show(path)}: padded run gave a tensor, unpadded a {type(e).__name__}"
-                )
-            ps, es = tuple(p.shape), tuple(e.shape)
-            if len(ps) != len(es):
-                raise UnpadError(
-                    f"{_show(path)}: padded run gave shape {ps}, unpadded {es}; cannot cut back"
-                )
-            cuts = []
-            for d, (a, b) in enumerate(zip(ps, es, strict=True)):
-                if a == b:
-                    continue
-                if a == plan.size and b == plan.length:
-                    cuts.append(d)
-                    continue
-                raise UnpadError(
-                    f"{_show(path)} dim {d}: padded run gave {a}, unpadded {b}; only a dim "
-                    f"that is the length ({plan.length}) unpadded and the bucket size "
-                    f"({plan.size}) padded can be cut back"
-                )
-            return _TensorNode(ps, tuple(cuts), e.is_contiguous())
+            return _learn_tensor(p, e, path, plan)
         if type(p) is not type(e):
             raise UnpadError(
                 f"{_show(path)}: padded run gave a {type(p).__name__}, unpadded a "
@@ -852,6 +824,84 @@ def _tensor_nodes(node: _Node, path: str) -> Iterator[tuple[str, _TensorNode]]:
     elif isinstance(node, _DataNode):
         for n, c in zip(node.names, node.children, strict=True):
             yield from _tensor_nodes(c, _join(path, n))
+
+
+def _signature_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
+    """The memo key of a call of any arity: each positional argument as (shape, dtype)
+    for a tensor or its type otherwise, then each keyword as name, (shape, dtype) or
+    type."""
+    sig: list[Any] = []
+    for a in args:
+        if isinstance(a, _Tensor):
+            sig.append(a.shape)
+            sig.append(a.dtype)
+        else:
+            sig.append(type(a))
+    for k, v in kwargs.items():
+        sig.append(k)
+        if isinstance(v, _Tensor):
+            sig.append(v.shape)
+            sig.append(v.dtype)
+        else:
+            sig.append(type(v))
+    return tuple(sig)
+
+
+def _normalize_dims(
+    found: _Found, problem: str | None
+) -> tuple[dict[str, tuple[int, ...]], list[tuple[str, int, int]], str | None]:
+    """Each bucketed tensor's dims made non-negative (by name), the length of each
+    (name, dim, length), and the first problem: ``problem``, or a dim out of range."""
+    lengths: list[tuple[str, int, int]] = []  # name, dim, length
+    norm: dict[str, tuple[int, ...]] = {}
+    for slot, _, tensor in found:
+        ndim = tensor.dim()
+        dims = tuple(d + ndim if d < 0 else d for d in slot.dims)
+        bad = [d for d, n in zip(slot.dims, dims, strict=True) if not 0 <= n < ndim]
+        if bad:
+            problem = problem or (
+                f"{slot.name} has {ndim} dims; bucketed dim {bad[0]} is out of range"
+            )
+            continue
+        norm[slot.name] = dims
+        lengths.extend((slot.name, d, int(tensor.shape[d])) for d in dims)
+    return norm, lengths, problem
+
+
+def _pad_widths(shape: tuple[int, ...], dims: tuple[int, ...], size: int) -> tuple[int, ...]:
+    """``F.pad``'s list (last dim first) that pads ``dims`` of ``shape`` up to ``size`` at
+    the end, with trailing all-zero pairs dropped."""
+    pad = [0] * (2 * len(shape))
+    for d in dims:
+        pad[2 * (len(shape) - 1 - d) + 1] = size - shape[d]
+    while pad and pad[-1] == 0 and pad[-2] == 0:
+        del pad[-2:]
+    return tuple(pad)
+
+
+def _learn_tensor(p: _Tensor, e: object, path: str, plan: Plan) -> _TensorNode:
+    """The cut for one output tensor: the dims that are ``plan.size`` padded and
+    ``plan.length`` in eager's ``e``; any other difference raises :class:`UnpadError`."""
+    if not isinstance(e, _Tensor):
+        raise UnpadError(f"{_show(path)}: padded run gave a tensor, unpadded a {type(e).__name__}")
+    ps, es = tuple(p.shape), tuple(e.shape)
+    if len(ps) != len(es):
+        raise UnpadError(
+            f"{_show(path)}: padded run gave shape {ps}, unpadded {es}; cannot cut back"
+        )
+    cuts = []
+    for d, (a, b) in enumerate(zip(ps, es, strict=True)):
+        if a == b:
+            continue
+        if a == plan.size and b == plan.length:
+            cuts.append(d)
+            continue
+        raise UnpadError(
+            f"{_show(path)} dim {d}: padded run gave {a}, unpadded {b}; only a dim "
+            f"that is the length ({plan.length}) unpadded and the bucket size "
+            f"({plan.size}) padded can be cut back"
+        )
+    return _TensorNode(ps, tuple(cuts), e.is_contiguous())
 
 
 def _entry(

@@ -328,31 +328,44 @@ def _stable(value: object, depth: int = 0) -> str:
     tensor values)."""
     if depth > 6:
         return "..."
-    if value is None or isinstance(value, bool | int | str | bytes):
-        return repr(value)
-    if isinstance(value, float):
-        return repr(value) if math.isfinite(value) else str(value)
-    if isinstance(value, complex):
-        return repr(value)
-    if isinstance(value, enum.Enum):
-        return f"{type(value).__qualname__}.{value.name}"
-    if isinstance(value, torch.Tensor):
-        return f"tensor({value.dtype}, {tuple(value.shape)})"
-    if isinstance(value, torch.dtype | torch.device | torch.Size):
-        return str(value)
-    if isinstance(value, tuple | list):
-        inner = ", ".join(_stable(v, depth + 1) for v in value)
-        return f"{type(value).__name__}({inner})"
-    if isinstance(value, set | frozenset):
-        return f"set({', '.join(sorted(_stable(v, depth + 1) for v in value))})"
-    if isinstance(value, Mapping):
-        items = sorted(
-            f"{_stable(k, depth + 1)}: {_stable(v, depth + 1)}" for k, v in value.items()
-        )
-        return "{" + ", ".join(items) + "}"
-    if isinstance(value, types.FunctionType | type):
-        return f"<{value.__module__}.{value.__qualname__}>"
+    for kinds, show in _STABLE_FORMS:
+        if isinstance(value, kinds):
+            return show(value, depth)
     return f"<{type(value).__module__}.{type(value).__qualname__}>"
+
+
+def _stable_float(value: float, depth: int) -> str:
+    return repr(value) if math.isfinite(value) else str(value)
+
+
+def _stable_sequence(value: tuple[Any, ...] | list[Any], depth: int) -> str:
+    inner = ", ".join(_stable(v, depth + 1) for v in value)
+    return f"{type(value).__name__}({inner})"
+
+
+def _stable_set(value: set[Any] | frozenset[Any], depth: int) -> str:
+    return f"set({', '.join(sorted(_stable(v, depth + 1) for v in value))})"
+
+
+def _stable_mapping(value: Mapping[Any, Any], depth: int) -> str:
+    items = sorted(f"{_stable(k, depth + 1)}: {_stable(v, depth + 1)}" for k, v in value.items())
+    return "{" + ", ".join(items) + "}"
+
+
+# How _stable shows a value: the first entry whose types it is an instance of, in order
+# (``torch.Size`` is a tuple; ``bool`` and int enums are ints).
+_STABLE_FORMS: tuple[tuple[type[Any] | types.UnionType, Callable[[Any, int], str]], ...] = (
+    (type(None) | bool | int | str | bytes, lambda value, depth: repr(value)),
+    (float, _stable_float),
+    (complex, lambda value, depth: repr(value)),
+    (enum.Enum, lambda value, depth: f"{type(value).__qualname__}.{value.name}"),
+    (torch.Tensor, lambda value, depth: f"tensor({value.dtype}, {tuple(value.shape)})"),
+    (torch.dtype | torch.device | torch.Size, lambda value, depth: str(value)),
+    (tuple | list, _stable_sequence),
+    (set | frozenset, _stable_set),
+    (Mapping, _stable_mapping),
+    (types.FunctionType | type, lambda value, depth: f"<{value.__module__}.{value.__qualname__}>"),
+)
 
 
 # ---------------------------------------------------------------- verdicts

@@ -220,30 +220,40 @@ class _Walk:
         if type(actual) is not type(expected):
             self.breach(path, f"type {_tname(actual)} != {_tname(expected)}")
             return
+        self.container(actual, expected, path)
+
+    def container(self, actual: object, expected: object, path: str) -> None:
+        """Two objects of the same type, neither a tensor nor a Python scalar."""
         if isinstance(expected, Mapping):
             assert isinstance(actual, Mapping)
             self.mapping(actual, expected, path)
         elif isinstance(expected, tuple) and hasattr(type(expected), "_fields"):
             assert isinstance(actual, tuple)
             fields: tuple[object, ...] = type(expected)._fields  # type: ignore[attr-defined]
-            if len(actual) != len(expected):
-                self.breach(path, f"length {len(actual)} != {len(expected)}")
-                return
-            for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-                name = fields[i] if i < len(fields) else None
-                self.visit(a, e, f"{path}.{name}" if isinstance(name, str) else f"{path}[{i}]")
+            self.sequence(actual, expected, path, fields)
         elif isinstance(expected, Sequence):
             assert isinstance(actual, Sequence)
-            if len(actual) != len(expected):
-                self.breach(path, f"length {len(actual)} != {len(expected)}")
-                return
-            for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-                self.visit(a, e, f"{path}[{i}]")
+            self.sequence(actual, expected, path)
         elif dataclasses.is_dataclass(expected) and not isinstance(expected, type):
             for f in dataclasses.fields(expected):
                 self.visit(getattr(actual, f.name), getattr(expected, f.name), f"{path}.{f.name}")
         else:
             self.other(actual, expected, path)
+
+    def sequence(
+        self,
+        actual: Sequence[Any],
+        expected: Sequence[Any],
+        path: str,
+        fields: tuple[object, ...] = (),
+    ) -> None:
+        """Length first, then items; ``fields`` names the items of a named tuple."""
+        if len(actual) != len(expected):
+            self.breach(path, f"length {len(actual)} != {len(expected)}")
+            return
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
+            name = fields[i] if i < len(fields) else None
+            self.visit(a, e, f"{path}.{name}" if isinstance(name, str) else f"{path}[{i}]")
 
     def mapping(
         self,
@@ -343,23 +353,9 @@ class _Walk:
             self.breach(path, f"type {_tname(actual)} != {_tname(expected)}")
             return
         self.leaves += 1
-        if _ttype(actual) is not _ttype(expected):
-            self.breach(path, f"type {_tname(actual)} != {_tname(expected)}")
-            return
-        if actual.device != expected.device:
-            self.breach(path, f"device {actual.device} != {expected.device}")
-            return
-        if actual.dtype != expected.dtype:
-            self.breach(path, f"dtype {_dname(actual.dtype)} != {_dname(expected.dtype)}")
-            return
-        if actual.layout != expected.layout:
-            self.breach(path, f"layout {actual.layout} != {expected.layout}")
-            return
-        if actual.is_nested or expected.is_nested:
-            self.breach(path, "nested tensors are not compared")
-            return
-        if actual.shape != expected.shape:
-            self.breach(path, f"shape {_shape(actual)} != {_shape(expected)}")
+        mismatch = _tensor_mismatch(actual, expected)
+        if mismatch is not None:
+            self.breach(path, mismatch)
             return
         if actual is expected or actual.device.type == "meta" or actual.numel() == 0:
             return
@@ -368,10 +364,15 @@ class _Walk:
         except Exception as exc:
             self.breach(path, f"cannot compare this tensor ({type(exc).__name__})")
             return
+        self.pending.append(self.leaf(path, a, e))
+
+    def leaf(self, path: str, a: torch.Tensor, e: torch.Tensor) -> _Leaf:
+        """The pending comparison of two dense tensors of the same dtype and shape: exact
+        for integers and bools; complex as real pairs; with the dtype's tolerances (those
+        of the precision float32 matmuls run in now)."""
         dtype = e.dtype  # after dequantizing
         if not (dtype.is_floating_point or dtype.is_complex):
-            self.pending.append(_Leaf(self.order, path, a, e, True, _dname(dtype), 0.0, 0.0))
-            return
+            return _Leaf(self.order, path, a, e, True, _dname(dtype), 0.0, 0.0)
         if a.is_complex():
             a, e = torch.view_as_real(a.resolve_conj()), torch.view_as_real(e.resolve_conj())
         kind = _fp32_kind(a.device) if a.dtype == torch.float32 else None
@@ -380,7 +381,7 @@ class _Walk:
         else:
             rtol, atol = self.tolerances(a.dtype, tf32=kind == "tf32")
         label = _dname(dtype) if kind is None else f"{_dname(dtype)} ({kind})"
-        self.pending.append(_Leaf(self.order, path, a, e, False, label, rtol, atol))
+        return _Leaf(self.order, path, a, e, False, label, rtol, atol)
 
     def measure(self) -> None:
         """Compute every pending leaf's figures, reading them back once per device."""
@@ -672,6 +673,24 @@ def _fp32_kind(device: torch.device) -> str | None:
         if setting == "tf32":
             return "tf32"
     return None
+
+
+def _tensor_mismatch(actual: torch.Tensor, expected: torch.Tensor) -> str | None:
+    """Why two tensors' values cannot be compared: the first of their type, device,
+    dtype, layout, nesting and shape that differs; ``None`` when none does."""
+    if _ttype(actual) is not _ttype(expected):
+        return f"type {_tname(actual)} != {_tname(expected)}"
+    if actual.device != expected.device:
+        return f"device {actual.device} != {expected.device}"
+    if actual.dtype != expected.dtype:
+        return f"dtype {_dname(actual.dtype)} != {_dname(expected.dtype)}"
+    if actual.layout != expected.layout:
+        return f"layout {actual.layout} != {expected.layout}"
+    if actual.is_nested or expected.is_nested:
+        return "nested tensors are not compared"
+    return (
+        f"shape {_shape(actual)} != {_shape(expected)}" if actual.shape != expected.shape else None
+    )
 
 
 def _is_plain(value: object) -> bool:

@@ -596,30 +596,28 @@ def _break_attributes(entry: object) -> dict[str, Any]:
 
 _SCALARS = (str, int, float, bool)
 
+# The log fields read off an event, in this order: (name, its value or None to leave it out).
+_EVENT_FIELDS: tuple[tuple[str, Callable[[Event], Any]], ...] = (
+    ("reason", lambda ev: ev.reason.value if ev.reason is not None else None),
+    ("bucket", lambda ev: ev.bucket),
+    ("error_type", lambda ev: ev.error_type),
+    ("description", lambda ev: safe_message(ev.message) if ev.message else None),
+    ("code_file", lambda ev: ev.file),
+    ("code_line", lambda ev: ev.line),
+    ("code_function", lambda ev: ev.function),
+    ("max_abs_diff", lambda ev: ev.max_abs_diff),
+    ("max_rel_diff", lambda ev: ev.max_rel_diff),
+    ("duration_s", lambda ev: ev.duration_s),
+)
+
 
 def _log_fields(telemetry: Telemetry, ev: Event) -> dict[str, Any]:
     """The event as log fields: names, figures and source locations only."""
     fields: dict[str, Any] = {"function": telemetry.function, "backend": telemetry.backend}
-    if ev.reason is not None:
-        fields["reason"] = ev.reason.value
-    if ev.bucket is not None:
-        fields["bucket"] = ev.bucket
-    if ev.error_type is not None:
-        fields["error_type"] = ev.error_type
-    if ev.message:
-        fields["description"] = safe_message(ev.message)
-    if ev.file is not None:
-        fields["code_file"] = ev.file
-    if ev.line is not None:
-        fields["code_line"] = ev.line
-    if ev.function is not None:
-        fields["code_function"] = ev.function
-    if ev.max_abs_diff is not None:
-        fields["max_abs_diff"] = ev.max_abs_diff
-    if ev.max_rel_diff is not None:
-        fields["max_rel_diff"] = ev.max_rel_diff
-    if ev.duration_s is not None:
-        fields["duration_s"] = ev.duration_s
+    for name, read in _EVENT_FIELDS:
+        value = read(ev)
+        if value is not None:
+            fields[name] = value
     for key, value in ev.details.items():
         if key == "graph_breaks" and isinstance(value, list | tuple):
             fields["graph_breaks"] = len(value)

@@ -517,45 +517,9 @@ def diagnose(
         )
 
     with torch.set_grad_enabled(settings.grad):
-        calls: list[Call] = []
-        for i, example in enumerate(plan.examples):
-            label = example.label()
-            say(f"compiling example {i + 1}/{len(plan.examples)}: {label}")
-            calls.append(session.first_call(example, label, "example"))
-            if session.failed():
-                break
-
-        sweep: list[Call] = []
-        sweep_plan: str | None
-        stopped: str | None = None
-        if settings.quick:
-            sweep_plan = "skipped (--quick)"
-        elif session.failed():
-            sweep_plan = "skipped: a compile failed"
-        else:
-            shapes, sweep_plan = _sweep_calls(plan)
-            for i, (label, example) in enumerate(shapes):
-                say(f"sweep {i + 1}/{len(shapes)}: {label}")
-                call = session.first_call(example, label, "sweep")
-                sweep.append(call)
-                if session.failed():
-                    stopped = "stopped: a compile failed"
-                    break
-                if call.path == "eager" and session.limit_hit:
-                    left = len(shapes) - i - 1
-                    stopped = (
-                        f"stopped at the recompile limit ({left} more shape(s) would run eager)"
-                        if left
-                        else None
-                    )
-                    break
-
-        timing: list[Timing] = []
-        if not settings.quick and session.failure is None:
-            for i, example in enumerate(plan.examples[:_MAX_TIMED]):
-                label = example.label()
-                say(f"timing example {i + 1}: {label} ({settings.repeat} samples)")
-                timing.append(session.time(example, label, settings.repeat))
+        calls = _run_examples(session, plan, say)
+        sweep, sweep_plan, stopped = _run_sweep(session, plan, settings, say)
+        timing = _run_timing(session, plan, settings, say)
 
     graphs = recorder.graphs
     breaks = dedupe_graph_breaks(b for g in graphs for b in g.breaks)
@@ -564,19 +528,7 @@ def diagnose(
         target=spec or plan.name,
         name=plan.name,
         kind=plan.kind,
-        settings={
-            "backend": backend_name(plan.backend),
-            "mode": plan.mode,
-            "options": dict(plan.options) if plan.options else None,
-            "dynamic": {None: "auto", True: "true", False: "false"}[plan.dynamic],
-            "fullgraph": plan.fullgraph,
-            "buckets": repr(plan.buckets) if plan.buckets is not None else None,
-            "grad": settings.grad,
-            "repeat": settings.repeat,
-            "rtol": plan.rtol,
-            "atol": plan.atol,
-            "examples": len(plan.examples),
-        },
+        settings=_report_settings(plan, settings),
         thresholds=plan.thresholds,
         versions=versions(_device_of(plan)),
         quick=settings.quick,
@@ -594,49 +546,87 @@ def diagnose(
     return dataclasses.replace(report, checks=judge(report))
 
 
+def _run_examples(session: _Session, plan: _Plan, say: Callable[[str], None]) -> list[Call]:
+    """Each example's first call, up to the first that fails to compile."""
+    calls: list[Call] = []
+    for i, example in enumerate(plan.examples):
+        label = example.label()
+        say(f"compiling example {i + 1}/{len(plan.examples)}: {label}")
+        calls.append(session.first_call(example, label, "example"))
+        if session.failed():
+            break
+    return calls
+
+
+def _run_sweep(
+    session: _Session, plan: _Plan, settings: Settings, say: Callable[[str], None]
+) -> tuple[list[Call], str, str | None]:
+    """The sweep's first calls, what it varied (or why there was none), and why it
+    stopped early (``None``: it did not)."""
+    if settings.quick:
+        return [], "skipped (--quick)", None
+    if session.failed():
+        return [], "skipped: a compile failed", None
+    sweep: list[Call] = []
+    stopped: str | None = None
+    shapes, sweep_plan = _sweep_calls(plan)
+    for i, (label, example) in enumerate(shapes):
+        say(f"sweep {i + 1}/{len(shapes)}: {label}")
+        call = session.first_call(example, label, "sweep")
+        sweep.append(call)
+        if session.failed():
+            stopped = "stopped: a compile failed"
+            break
+        if call.path == "eager" and session.limit_hit:
+            left = len(shapes) - i - 1
+            stopped = (
+                f"stopped at the recompile limit ({left} more shape(s) would run eager)"
+                if left
+                else None
+            )
+            break
+    return sweep, sweep_plan, stopped
+
+
+def _run_timing(
+    session: _Session, plan: _Plan, settings: Settings, say: Callable[[str], None]
+) -> list[Timing]:
+    """Compiled against eager timings of the first examples (none when quick or failed)."""
+    timing: list[Timing] = []
+    if not settings.quick and session.failure is None:
+        for i, example in enumerate(plan.examples[:_MAX_TIMED]):
+            label = example.label()
+            say(f"timing example {i + 1}: {label} ({settings.repeat} samples)")
+            timing.append(session.time(example, label, settings.repeat))
+    return timing
+
+
+def _report_settings(plan: _Plan, settings: Settings) -> dict[str, Any]:
+    """The settings the doctor ran with, as the report shows them."""
+    return {
+        "backend": backend_name(plan.backend),
+        "mode": plan.mode,
+        "options": dict(plan.options) if plan.options else None,
+        "dynamic": {None: "auto", True: "true", False: "false"}[plan.dynamic],
+        "fullgraph": plan.fullgraph,
+        "buckets": repr(plan.buckets) if plan.buckets is not None else None,
+        "grad": settings.grad,
+        "repeat": settings.repeat,
+        "rtol": plan.rtol,
+        "atol": plan.atol,
+        "examples": len(plan.examples),
+    }
+
+
 def _plan(target: DoctorTarget, settings: Settings) -> _Plan:
     fn = target.fn
     controller = getattr(fn, "safecompile", None)
-    inherited: dict[str, Any] = {}
-    if isinstance(fn, torch.nn.Module):
-        kind = "module"
-        call: Callable[..., Any] = types.MethodType(type(fn).forward, fn)
-        cls = type(fn)
-        name = f"{cls.__module__}.{cls.__qualname__}.forward"
-    else:
-        kind = "function"
-        call = fn
-        if controller is not None:
-            wrapped = getattr(fn, "__wrapped__", None)
-            if not callable(wrapped):
-                raise UsageError(f"cannot find the function inside guarded {fn!r}")
-            call = wrapped
-        name = f"{getattr(call, '__module__', None) or '__main__'}.{_qualname(call)}"
-    if controller is not None and callable(getattr(controller, "report", None)):
-        info = controller.report()
-        name = str(getattr(controller, "name", name))
-        known = set(torch._dynamo.list_backends(exclude_tags=()))
-        if info.get("backend") in known:
-            inherited["backend"] = info["backend"]
-            inherited["mode"] = info.get("mode")
-        inherited["dynamic"] = info.get("dynamic")
-        inherited["fullgraph"] = bool(info.get("fullgraph"))
+    kind, call, name = _guarded_call(fn, controller)
+    inherited, name = _inherited(controller, name)
     name = target.name or name
 
-    if settings.backend is not None:
-        backend: str | Callable[..., Any] = settings.backend
-        mode = settings.mode
-        options = None  # the target's options are for the target's backend
-    else:
-        backend = target.backend or inherited.get("backend") or "inductor"
-        mode = settings.mode or target.mode or inherited.get("mode")
-        options = target.options
-        if mode is not None and options is not None and settings.mode is not None:
-            options = None  # --mode replaces the target's options
-    if settings.dynamic is not None:
-        dynamic = {"true": True, "false": False, "auto": None}[settings.dynamic]
-    else:
-        dynamic = target.dynamic if target.dynamic is not None else inherited.get("dynamic")
+    backend, mode, options = _compiler_choice(target, settings, inherited)
+    dynamic = _dynamic_choice(target, settings, inherited)
     fullgraph = target.fullgraph or bool(inherited.get("fullgraph"))
     try:
         validate_compile_options(
@@ -646,10 +636,7 @@ def _plan(target: DoctorTarget, settings: Settings) -> _Plan:
         raise UsageError(f"invalid compile option: {exc}") from exc
 
     limit = settings.max_recompiles or target.max_recompiles or _DEFAULT_LIMIT
-    sweep: tuple[Example, ...] | None = None
-    if target.sweep is not None:
-        empty = isinstance(target.sweep, Sequence) and len(target.sweep) == 0
-        sweep = () if empty else parse_inputs(target.sweep, "sweep")
+    sweep = _sweep_examples(target)  # parsed before the inputs: same error first
     return _Plan(
         call=call,
         kind=kind,
@@ -671,6 +658,75 @@ def _plan(target: DoctorTarget, settings: Settings) -> _Plan:
             compile_warn_s=settings.compile_warn_s,
         ),
     )
+
+
+def _guarded_call(fn: Callable[..., Any], controller: Any) -> tuple[str, Callable[..., Any], str]:
+    """What the doctor guards for ``fn`` (``controller``: its ``safecompile``, if guarded):
+    its kind, the callable (a module's bound forward, or the function inside a guarded
+    one) and its qualified name."""
+    if isinstance(fn, torch.nn.Module):
+        cls = type(fn)
+        forward = types.MethodType(cls.forward, fn)
+        return "module", forward, f"{cls.__module__}.{cls.__qualname__}.forward"
+    call = fn
+    if controller is not None:
+        wrapped = getattr(fn, "__wrapped__", None)
+        if not callable(wrapped):
+            raise UsageError(f"cannot find the function inside guarded {fn!r}")
+        call = wrapped
+    return "function", call, f"{getattr(call, '__module__', None) or '__main__'}.{_qualname(call)}"
+
+
+def _inherited(controller: Any, name: str) -> tuple[dict[str, Any], str]:
+    """The settings an already guarded target was made with (its backend and mode only
+    when the backend is a known name), and its name (``name`` when it has none)."""
+    inherited: dict[str, Any] = {}
+    if controller is not None and callable(getattr(controller, "report", None)):
+        info = controller.report()
+        name = str(getattr(controller, "name", name))
+        known = set(torch._dynamo.list_backends(exclude_tags=()))
+        if info.get("backend") in known:
+            inherited["backend"] = info["backend"]
+            inherited["mode"] = info.get("mode")
+        inherited["dynamic"] = info.get("dynamic")
+        inherited["fullgraph"] = bool(info.get("fullgraph"))
+    return inherited, name
+
+
+def _compiler_choice(
+    target: DoctorTarget, settings: Settings, inherited: Mapping[str, Any]
+) -> tuple[str | Callable[..., Any], str | None, Mapping[str, Any] | None]:
+    """Backend, mode and options: the command line's, else the target's, else those of
+    the guarded target, else inductor's defaults."""
+    if settings.backend is not None:
+        # the target's options are for the target's backend
+        return settings.backend, settings.mode, None
+    backend = target.backend or inherited.get("backend") or "inductor"
+    mode = settings.mode or target.mode or inherited.get("mode")
+    options = target.options
+    if mode is not None and options is not None and settings.mode is not None:
+        options = None  # --mode replaces the target's options
+    return backend, mode, options
+
+
+def _dynamic_choice(
+    target: DoctorTarget, settings: Settings, inherited: Mapping[str, Any]
+) -> bool | None:
+    """``dynamic``: the command line's, else the target's, else the guarded target's."""
+    if settings.dynamic is not None:
+        return {"true": True, "false": False, "auto": None}[settings.dynamic]
+    dynamic: bool | None = (
+        target.dynamic if target.dynamic is not None else inherited.get("dynamic")
+    )
+    return dynamic
+
+
+def _sweep_examples(target: DoctorTarget) -> tuple[Example, ...] | None:
+    """The target's sweep: ``None`` to guess one, ``()`` for none, else its calls."""
+    if target.sweep is None:
+        return None
+    empty = isinstance(target.sweep, Sequence) and len(target.sweep) == 0
+    return () if empty else parse_inputs(target.sweep, "sweep")
 
 
 class _Session:
@@ -1196,62 +1252,60 @@ def _check_speed(r: Report) -> Check:
             advice="see recompiles",
             lines=tuple(lines),
         )
-    worst = max(timed, key=lambda t: t.ratio or 0.0)
-    ratio = worst.ratio or 0.0
-    samples = f"median of {worst.samples} interleaved samples"
-    limit = r.thresholds.slower_ratio
-    backend = str(r.settings.get("backend"))
-    if is_debug_backend(backend) and ratio > 1.0:
-        return Check(
-            name="speed",
-            title=title,
-            status="warn",
-            summary=f"compiled takes {ratio:.2f}x eager's time on {worst.label} ({samples}); "
-            f"backend {backend} does not optimise, so this is overhead only",
-            advice="judge speed with the backend you will serve with (default inductor)",
-            lines=tuple(lines),
-        )
-    if ratio > limit and any(t.noisy for t in timed):
-        return Check(
-            name="speed",
-            title=title,
-            status="warn",
-            summary=f"could not judge: compiled took {ratio:.2f}x eager's time on "
-            f"{worst.label}, but the timings were noisy (the machine was busy)",
-            advice="rerun on an idle machine, or with more --repeat",
-            lines=tuple(lines),
-        )
-    if ratio > limit:
-        return Check(
-            name="speed",
-            title=title,
-            status="fail",
-            summary=f"compiled takes {ratio:.2f}x eager's time on {worst.label} "
-            f"(limit {limit:.2f}x, {samples})",
-            advice="keep eager here, or give it more work per call (bigger batches) or another "
-            "mode; Rollback(slower_ratio=...) falls back automatically in production",
-            lines=tuple(lines),
-        )
-    if ratio > 1.0:
-        return Check(
-            name="speed",
-            title=title,
-            status="warn",
-            summary=f"no speed-up: compiled takes {ratio:.2f}x eager's time on {worst.label} "
-            f"({samples})",
-            advice="compiling buys nothing here yet: try mode='max-autotune' or bigger batches "
-            "before switching it on",
-            lines=tuple(lines),
-        )
-    best = min(t.ratio or 0.0 for t in timed)
-    spread = f"{ratio:.2f}x" if len(timed) == 1 else f"{best:.2f}x to {ratio:.2f}x"
+    status, summary, advice = _speed_verdict(
+        timed, r.thresholds.slower_ratio, str(r.settings.get("backend"))
+    )
     return Check(
         name="speed",
         title=title,
-        status="pass",
-        summary=f"compiled takes {spread} eager's time ({samples})",
-        advice="set Rollback(slower_ratio=1.1) to fall back if traffic shapes behave worse",
+        status=status,
+        summary=summary,
+        advice=advice,
         lines=tuple(lines),
+    )
+
+
+def _speed_verdict(timed: list[Timing], limit: float, backend: str) -> tuple[Status, str, str]:
+    """Status, summary and advice of the speed check, from the timed examples (at least
+    one), the slower-ratio limit and the backend's name."""
+    worst = max(timed, key=lambda t: t.ratio or 0.0)
+    ratio = worst.ratio or 0.0
+    samples = f"median of {worst.samples} interleaved samples"
+    if is_debug_backend(backend) and ratio > 1.0:
+        return (
+            "warn",
+            f"compiled takes {ratio:.2f}x eager's time on {worst.label} ({samples}); "
+            f"backend {backend} does not optimise, so this is overhead only",
+            "judge speed with the backend you will serve with (default inductor)",
+        )
+    if ratio > limit and any(t.noisy for t in timed):
+        return (
+            "warn",
+            f"could not judge: compiled took {ratio:.2f}x eager's time on "
+            f"{worst.label}, but the timings were noisy (the machine was busy)",
+            "rerun on an idle machine, or with more --repeat",
+        )
+    if ratio > limit:
+        return (
+            "fail",
+            f"compiled takes {ratio:.2f}x eager's time on {worst.label} "
+            f"(limit {limit:.2f}x, {samples})",
+            "keep eager here, or give it more work per call (bigger batches) or another "
+            "mode; Rollback(slower_ratio=...) falls back automatically in production",
+        )
+    if ratio > 1.0:
+        return (
+            "warn",
+            f"no speed-up: compiled takes {ratio:.2f}x eager's time on {worst.label} ({samples})",
+            "compiling buys nothing here yet: try mode='max-autotune' or bigger batches "
+            "before switching it on",
+        )
+    best = min(t.ratio or 0.0 for t in timed)
+    spread = f"{ratio:.2f}x" if len(timed) == 1 else f"{best:.2f}x to {ratio:.2f}x"
+    return (
+        "pass",
+        f"compiled takes {spread} eager's time ({samples})",
+        "set Rollback(slower_ratio=1.1) to fall back if traffic shapes behave worse",
     )
 
 
