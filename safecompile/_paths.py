@@ -190,6 +190,10 @@ def finish(
             verdict = c.shadow.check(
                 c.table, due, snapshot, args, kwargs, out, compiled_s=compiled_s
             )
+            if verdict.use_eager:
+                if not warmup:
+                    slot.eager += 1
+                return verdict.eager_out
             if verdict.breach is not None:
                 c.trip(
                     Reason.DRIFT,

@@ -83,3 +83,20 @@ def test_background_inductor_warmup_closes_the_symbolic_trace_window() -> None:
     g = safe_compile(lambda x: x + 1, backend="inductor", warmup=Warmup(inputs=[], background=True))
     assert g.safecompile.wait_warm(10)
     assert InterpreterShim._dummy_gm.cache_info().currsize == 1
+
+
+def test_a_comparison_that_fails_answers_with_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An internal error while comparing never reaches the caller: eager's answer stands."""
+    import safecompile._shadow as shadow_module
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise TypeError("cannot compare")
+
+    monkeypatch.setattr(shadow_module, "compare", broken)
+    g = safe_compile(lambda x: x * 3, backend="eager")
+    x = torch.ones(3)
+    torch.testing.assert_close(g(x), x * 3)
+    stats = g.safecompile.stats()
+    assert stats.calls == stats.eager_calls == 1
+    assert stats.rollbacks == 0
+    assert any("could not be compared" in (e.message or "") for e in g.safecompile.events())
