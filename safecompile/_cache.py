@@ -47,7 +47,7 @@ from ._log import log_event
 from ._version import __version__
 
 __all__ = [
-    "ENV_VAR",
+    "CACHE_ENV_VAR",
     "Verdict",
     "VerdictStore",
     "artifact_key",
@@ -58,7 +58,7 @@ __all__ = [
     "use_torch_caches",
 ]
 
-ENV_VAR = "SAFECOMPILE_CACHE_DIR"
+CACHE_ENV_VAR = "SAFECOMPILE_CACHE_DIR"
 SCHEMA = "safecompile.verdict"
 SCHEMA_VERSION = 1
 
@@ -79,7 +79,7 @@ _warned: set[str] = set()
 def cache_root() -> Path | None:
     """``$SAFECOMPILE_CACHE_DIR`` as an absolute path (``~`` and ``$VARS`` expanded), or
     ``None`` when it is unset or empty. Read at each call; creates nothing."""
-    value = os.environ.get(ENV_VAR, "").strip()
+    value = os.environ.get(CACHE_ENV_VAR, "").strip()
     if not value:
         return None
     return Path(os.path.expandvars(os.path.expanduser(value))).absolute()

@@ -35,7 +35,7 @@ from ._timing import LatencyWindow, slower_verdict
 if TYPE_CHECKING:
     from ._state import Snapshot
 
-__all__ = ["Figures", "ShadowRunner", "Sink", "Verdict", "drain"]
+__all__ = ["Figures", "Outcome", "ShadowRunner", "Sink", "drain"]
 
 _SLOWER_ADVISORY = 1.10  # with slower_ratio=None: say once that compiled is this much slower
 _JUDGE_EVERY = 16  # judge speed once per this many new pairs (sorting the window costs)
@@ -67,7 +67,7 @@ class Figures:
 
 
 @dataclass(frozen=True, slots=True)
-class Verdict:
+class Outcome:
     """The outcome of a check: ``breach`` is ``None`` unless a sync check found drift."""
 
     breach: str | None = None
@@ -132,21 +132,21 @@ class ShadowRunner:
         out: Any,
         *,
         compiled_s: float | None,
-    ) -> Verdict:
+    ) -> Outcome:
         """Check one call whose graphs ``due`` wanted a check; see the module doc."""
         graph = due[0]
         # No snapshot: the controller has the call's first graph capture it next time.
         if self.policy is None or snapshot is None:
-            return Verdict()
+            return Outcome()
         changed = snapshot.changed()
         if changed and not self._can_restore(table, due, snapshot):
-            return Verdict()
+            return Outcome()
         canary = any(g.canary_left > 0 for g in due)
         for g in due:
             table.checked(g)
         if self.policy.mode == "async":
             self._submit(graph, args, kwargs, out, compiled_s, canary)
-            return Verdict()
+            return Outcome()
         after = snapshot.swap_back() if changed else None
         started = self._clock()
         eager_out = self.fn(*args, **kwargs)
@@ -160,11 +160,11 @@ class ShadowRunner:
                     result = self._compare_state(after)
         except Exception as exc:  # a comparison that cannot be made: eager's answer stands
             self._skip(graph, f"the outputs could not be compared ({type(exc).__name__})")
-            return Verdict(eager_out=eager_out, graph=graph, use_eager=True)
+            return Outcome(eager_out=eager_out, graph=graph, use_eager=True)
         self._note(graph, result, compiled_s, eager_s, canary)
         if result.ok:
-            return Verdict(max_abs=result.max_abs, max_rel=result.max_rel, graph=graph)
-        return Verdict(
+            return Outcome(max_abs=result.max_abs, max_rel=result.max_rel, graph=graph)
+        return Outcome(
             breach=result.reason or "outputs differ",
             eager_out=eager_out,
             max_abs=result.max_abs,

@@ -52,17 +52,17 @@ def ignored_events(logs: list[MutableMapping[str, Any]]) -> list[MutableMapping[
 
 def test_cache_root_reads_env_each_call(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """Unset or blank means no cache; a path is made absolute, ~ expanded."""
-    monkeypatch.delenv(_cache.ENV_VAR, raising=False)
+    monkeypatch.delenv(_cache.CACHE_ENV_VAR, raising=False)
     assert cache_root() is None
-    monkeypatch.setenv(_cache.ENV_VAR, "  ")
+    monkeypatch.setenv(_cache.CACHE_ENV_VAR, "  ")
     assert cache_root() is None
-    monkeypatch.setenv(_cache.ENV_VAR, str(tmp_path))
+    monkeypatch.setenv(_cache.CACHE_ENV_VAR, str(tmp_path))
     assert cache_root() == tmp_path
     monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.setenv(_cache.ENV_VAR, "~/sc")
+    monkeypatch.setenv(_cache.CACHE_ENV_VAR, "~/sc")
     assert cache_root() == tmp_path / "sc"
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv(_cache.ENV_VAR, "rel")
+    monkeypatch.setenv(_cache.CACHE_ENV_VAR, "rel")
     assert cache_root() == tmp_path / "rel"
 
 
