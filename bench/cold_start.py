@@ -49,6 +49,7 @@ import threading
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -97,135 +98,179 @@ def pct(values: Sequence[float], q: float) -> float:
 # ---------------------------------------------------------------- child
 
 
-def child(args: argparse.Namespace) -> dict[str, Any]:
+@dataclass
+class Server:
+    """The child's model, request and think time: serves one request and times it."""
+
+    model: Any
+    x: Any
+    mask: Any
+    example: tuple[Any, ...]
+    interval: float  # seconds of think time between requests
+
+    def serve(self, fn: Any) -> float:
+        start = time.perf_counter()
+        fn(self.x, self.mask)
+        return time.perf_counter() - start
+
+    def serve_then_think(self, fn: Any, into: list[float]) -> None:
+        into.append(self.serve(fn))
+        time.sleep(self.interval)
+
+
+def child_setup(args: argparse.Namespace) -> tuple[Server, float]:
+    """Imports (timed), threads and switch interval, the model and its requests."""
     t_import = time.perf_counter()
     warnings.filterwarnings("ignore")
     sys.path.insert(0, str(HERE.parents[1]))
     import torch
     from _models import Block
 
-    from safecompile import Buckets, Warmup, pow2, safe_compile
+    import safecompile  # noqa: F401  (timed with torch: what a server imports)
 
     import_s = time.perf_counter() - t_import
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.switch:
         sys.setswitchinterval(args.switch)
-
     torch.manual_seed(0)
-    model = Block().eval()
-    x = torch.randn(BATCH, LENGTH, D_MODEL)
     mask = torch.zeros(BATCH, LENGTH, dtype=torch.bool)
     mask[1:, 80:] = True
-    example = (torch.randn(BATCH, 64, D_MODEL), torch.zeros(BATCH, 64, dtype=torch.bool))
-    interval = args.interval / 1e3
+    server = Server(
+        model=Block().eval(),
+        x=torch.randn(BATCH, LENGTH, D_MODEL),
+        mask=mask,
+        example=(torch.randn(BATCH, 64, D_MODEL), torch.zeros(BATCH, 64, dtype=torch.bool)),
+        interval=args.interval / 1e3,
+    )
+    return server, import_s
 
-    def serve(fn: Any) -> float:
-        start = time.perf_counter()
-        fn(x, mask)
-        return time.perf_counter() - start
+
+def guard(server: Server, backend: str, *, background: bool) -> Any:
+    """The model guarded with the bench's buckets and warmup."""
+    from safecompile import Buckets, Warmup, pow2, safe_compile
+
+    return safe_compile(
+        server.model,
+        backend=backend,
+        shadow=None,
+        name="bench.cold_start",
+        buckets=Buckets(
+            dims={"x": 1, "mask": 1}, sizes=pow2(16, 512), pad_value={"x": 0, "mask": 1}
+        ),
+        warmup=Warmup(inputs=[server.example], background=background),
+    )
+
+
+def eager_baseline(server: Server, requests: int) -> tuple[float, float]:
+    """Eager's p50 and p99 with nothing compiling (after 5 unmeasured requests)."""
+    for _ in range(5):
+        server.serve(server.model)
+    base: list[float] = []
+    for _ in range(requests):
+        server.serve_then_think(server.model, base)
+    return pct(base, 0.5), pct(base, 0.99)
+
+
+def prewarm(server: Server, args: argparse.Namespace, during: list[float]) -> float:
+    """Serve eager while a second process compiles every bucket into the shared cache dir;
+    returns that process's wall time."""
+    start = time.perf_counter()
+    cmd = [
+        sys.executable,
+        str(HERE),
+        "--child",
+        "--threads",
+        str(args.threads),
+        "--mode",
+        "warm-only",
+        "--baseline",
+        "0",
+        "--backend",
+        args.backend,
+    ]
+    proc = subprocess.Popen(cmd, env=dict(os.environ), stdout=subprocess.DEVNULL)
+    while proc.poll() is None:
+        server.serve_then_think(server.model, during)
+    if proc.returncode != 0:
+        raise SystemExit(f"prewarm process failed: {proc.returncode}")
+    return time.perf_counter() - start
+
+
+def lower_worker_priority(nice: int) -> None:
+    """nice the background warmup thread (the compiler processes it starts inherit it)."""
+    for thread in threading.enumerate():
+        if thread.name.startswith("safecompile-warmup") and thread.native_id:
+            os.setpriority(os.PRIO_PROCESS, thread.native_id, nice)
+
+
+def serve_until_warm(server: Server, guarded: Any, during: list[float]) -> float:
+    """Serve through the guard until ``wait_warm()`` returns; returns when it did."""
+    warm_at: list[float] = []
+
+    def waiter() -> None:
+        guarded.safecompile.wait_warm()
+        warm_at.append(time.perf_counter())
+
+    threading.Thread(target=waiter, daemon=True).start()
+    while not warm_at:
+        server.serve_then_think(guarded, during)
+    return warm_at[0]
+
+
+def after_warm(server: Server, guarded: Any, requests: int, out: dict[str, Any]) -> None:
+    """Graphs and counters at warm, then ``requests`` more requests; fills ``out``."""
+    import torch
+
+    at_warm = guarded.safecompile.stats()
+    after: list[float] = []
+    for _ in range(requests):
+        time.sleep(server.interval)
+        after.append(server.serve(guarded))
+    stats = guarded.safecompile.stats()
+    counters = torch._dynamo.utils.counters
+    out.update(
+        served_during=len(out["during"]),
+        eager_calls=at_warm.eager_calls,
+        graphs_at_warm=at_warm.graphs,
+        compiled_after=stats.compiled_calls,
+        after_p50=pct(after, 0.5),
+        graphs=stats.graphs,
+        fx_hits=counters["inductor"].get("fxgraph_cache_hit", 0),
+        fx_misses=counters["inductor"].get("fxgraph_cache_miss", 0),
+        aot_hits=counters["aot_autograd"].get("autograd_cache_hit", 0),
+        state=str(guarded.safecompile.state.value),
+    )
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    server, import_s = child_setup(args)
+    import torch
 
     out: dict[str, Any] = {"import_s": import_s, "threads": torch.get_num_threads()}
     with torch.no_grad():
-        for _ in range(5):
-            serve(model)
-        base = []
-        for _ in range(args.baseline):
-            base.append(serve(model))
-            time.sleep(interval)
-        out["eager_p50"], out["eager_p99"] = pct(base, 0.5), pct(base, 0.99)
+        out["eager_p50"], out["eager_p99"] = eager_baseline(server, args.baseline)
         if args.mode == "warm-only":  # the prewarm process: compile every bucket, exit
-            safe_compile(
-                model,
-                backend=args.backend,
-                shadow=None,
-                name="bench.cold_start",
-                buckets=Buckets(
-                    dims={"x": 1, "mask": 1}, sizes=pow2(16, 512), pad_value={"x": 0, "mask": 1}
-                ),
-                warmup=Warmup(inputs=[example]),
-            )
+            guard(server, args.backend, background=False)
             return out
-
         during: list[float] = []
         t0 = time.perf_counter()
         if args.mode == "prewarm":
-            env = dict(os.environ)
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    str(HERE),
-                    "--child",
-                    "--threads",
-                    str(args.threads),
-                    "--mode",
-                    "warm-only",
-                    "--baseline",
-                    "0",
-                    "--backend",
-                    args.backend,
-                ],
-                env=env,
-                stdout=subprocess.DEVNULL,
-            )
-            while proc.poll() is None:
-                during.append(serve(model))
-                time.sleep(interval)
-            out["prewarm_s"] = time.perf_counter() - t0
-            if proc.returncode != 0:
-                raise SystemExit(f"prewarm process failed: {proc.returncode}")
+            out["prewarm_s"] = prewarm(server, args, during)
         background = args.mode in ("background", "prewarm")
         t_decorate = time.perf_counter()
-        guarded: Any = safe_compile(
-            model,
-            backend=args.backend,
-            shadow=None,
-            name="bench.cold_start",
-            buckets=Buckets(
-                dims={"x": 1, "mask": 1}, sizes=pow2(16, 512), pad_value={"x": 0, "mask": 1}
-            ),
-            warmup=Warmup(inputs=[example], background=background),
-        )
+        guarded = guard(server, args.backend, background=background)
         out["decorate_s"] = time.perf_counter() - t_decorate
         if background:
             if args.nice:
-                for thread in threading.enumerate():
-                    if thread.name.startswith("safecompile-warmup") and thread.native_id:
-                        os.setpriority(os.PRIO_PROCESS, thread.native_id, args.nice)
-            warm_at: list[float] = []
-
-            def waiter() -> None:
-                guarded.safecompile.wait_warm()
-                warm_at.append(time.perf_counter())
-
-            threading.Thread(target=waiter, daemon=True).start()
-            while not warm_at:
-                during.append(serve(guarded))
-                time.sleep(interval)
-            t_warm = warm_at[0]
+                lower_worker_priority(args.nice)
+            t_warm = serve_until_warm(server, guarded, during)
         else:
             t_warm = time.perf_counter()
         out["time_to_compiled"] = t_warm - t0
-        out["first"] = during[0] if during else serve(guarded)
+        out["first"] = during[0] if during else server.serve(guarded)
         out["during"] = during
-        at_warm = guarded.safecompile.stats()
-        after = []
-        for _ in range(args.after):
-            time.sleep(interval)
-            after.append(serve(guarded))
-        stats = guarded.safecompile.stats()
-        out["served_during"] = len(during)
-        out["eager_calls"] = at_warm.eager_calls
-        out["graphs_at_warm"] = at_warm.graphs
-        out["compiled_after"] = stats.compiled_calls
-        out["after_p50"] = pct(after, 0.5)
-        out["graphs"] = stats.graphs
-        out["hidden"] = stats.extra.get("hidden_recompiles", 0)
-        counters = torch._dynamo.utils.counters
-        out["fx_hits"] = counters["inductor"].get("fxgraph_cache_hit", 0)
-        out["fx_misses"] = counters["inductor"].get("fxgraph_cache_miss", 0)
-        out["aot_hits"] = counters["aot_autograd"].get("autograd_cache_hit", 0)
-        out["state"] = str(guarded.safecompile.state.value)
+        after_warm(server, guarded, args.after, out)
     return out
 
 

@@ -52,12 +52,25 @@ first and printed apart.
     python bench/variable_length.py                          # inductor (~5-8 min here)
     python bench/variable_length.py --backend aot_eager      # quick
     python bench/variable_length.py --requests 100 --models mlp
+
+The ``random-mlp`` and ``random-block`` models (not in the default ``--models``) are the
+shadow-check case of issue #8 instead: a small module (d=64: an MLP over the last dim, or
+a ``TransformerEncoderLayer`` with 4 heads) served ``--calls`` inputs of random
+``(batch, seq)`` (1..8 x 1..64), no buckets, comparing plain ``torch.compile(model)``
+with ``safe_compile(copy)`` at its defaults (shadow checks on, ``Shadow()``) and with
+``shadow=None``, plus eager; interleaved call by call, two passes over the same inputs
+(the first compiles). Prints throughput ratios against ``torch.compile``, torch's graph
+count, ``stats().graphs``, ``stats().shadow_checks`` and ``len(json.dumps(report()))``.
+
+    python bench/variable_length.py --models random-mlp,random-block  # inductor
+    python bench/variable_length.py --models random-mlp --backend aot_eager --calls 200
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import json
 import logging
 import math
 import os
@@ -431,9 +444,9 @@ def report(
     for v in variants:
         if v.guarded is None or isinstance(v.guarded, Buckets):
             continue
-        shapes = v.guarded.safecompile.report()["shapes"]
+        buckets = v.guarded.safecompile.report()["buckets"]  # label: "<size> (length n) [...]"
         parts = []
-        for label, s in shapes.items():
+        for label, s in buckets.items():
             size = label.split()[0]
             parts.append(
                 f"{size}: {s['calls']} calls"
@@ -441,14 +454,13 @@ def report(
                 + ("" if s["status"] == "ready" else f", {s['status']}")
             )
         stats = v.guarded.safecompile.stats()
-        extra = stats.extra.get("hidden_recompiles", 0)
         sizes = v.sizes or ()
         padded = sum(next(z for z in sizes if z >= r.length) for r in requests)
         waste = 1 - sum(r.length for r in requests) / padded if "pad" in v.name else 0.0
         print(
             f"\n{v.name}: sizes {list(sizes)}; padded positions wasted over the requests "
-            f"{waste:.0%}; graphs {stats.graphs} "
-            f"(hidden recompiles {extra}), lazy copy compiled {v.lazy_graphs} graph(s) for "
+            f"{waste:.0%}; graphs the guard knows {stats.graphs} (torch compiled {v.graphs} "
+            f"for it), lazy copy compiled {v.lazy_graphs} graph(s) for "
             f"its first request; per bucket (calls over all passes): " + "; ".join(parts)
         )
     print(
@@ -474,6 +486,171 @@ def report(
         print(f"  {v.name}: " + "; ".join(checks))
 
 
+# ---------------------------------------------------------------- random shapes, shadow on
+
+RANDOM_D = 64
+PLAIN = "torch.compile(model)"
+SAFE_DEFAULTS = "safe_compile defaults"
+SAFE_NO_SHADOW = "safe_compile shadow=None"
+
+
+class SmallMLP(nn.Module):
+    """The issue's MLP over the last dim: 64 -> 256 -> GELU -> 64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(
+            nn.Linear(RANDOM_D, 4 * RANDOM_D), nn.GELU(), nn.Linear(4 * RANDOM_D, RANDOM_D)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.net(x)
+        return out
+
+
+class SmallBlock(nn.Module):
+    """A small transformer block: ``nn.TransformerEncoderLayer`` d_model 64, 4 heads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(
+            RANDOM_D, 4, dim_feedforward=4 * RANDOM_D, dropout=0.0, batch_first=True
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.layer(x)
+        return out
+
+
+@dataclass
+class Shaped:
+    """One variant of the random-shapes case, and what it measured."""
+
+    name: str
+    fn: Callable[..., Any]
+    guarded: Any = None
+    times: dict[str, list[float]] = field(default_factory=dict)  # pass name -> seconds
+    compiling: set[int] = field(default_factory=set)  # pass-1 calls during which it compiled
+    graphs: int = 0  # torch's unique graphs made during this variant's calls
+    max_diff: float = 0.0
+    stats: dict[str, Any] = field(default_factory=dict)  # pass name -> stats() after it
+
+
+def random_inputs(calls: int, max_batch: int, max_seq: int, seed: int) -> list[torch.Tensor]:
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randn(rng.randint(1, max_batch), rng.randint(1, max_seq), RANDOM_D, generator=gen)
+        for _ in range(calls)
+    ]
+
+
+def random_variants(kind: str, backend: str) -> list[Shaped]:
+    model = (SmallMLP() if kind == "random-mlp" else SmallBlock()).eval()
+    safe = own_copy(model, f"{kind}_safe".replace("-", "_"))
+    bare = own_copy(model, f"{kind}_safe_noshadow".replace("-", "_"))
+    return [
+        Shaped("eager", model),
+        Shaped(PLAIN, torch.compile(own_copy(model, kind.replace("-", "_")), backend=backend)),
+        Shaped(SAFE_DEFAULTS, safe_compile(safe, backend=backend), guarded=safe),
+        Shaped(SAFE_NO_SHADOW, safe_compile(bare, backend=backend, shadow=None), guarded=bare),
+    ]
+
+
+def random_pass(label: str, variants: list[Shaped], inputs: list[torch.Tensor]) -> None:
+    """Every input once, the variants interleaved call by call in a rotating order."""
+    for v in variants:
+        v.times[label] = []
+    for i, x in enumerate(inputs):
+        k = i % len(variants)
+        outs: dict[str, torch.Tensor] = {}
+        for v in variants[k:] + variants[:k]:
+            before = unique_graphs()
+            start = time.perf_counter()
+            outs[v.name] = v.fn(x)
+            v.times[label].append(time.perf_counter() - start)
+            if unique_graphs() != before:
+                v.graphs += unique_graphs() - before
+                v.compiling.add(i)
+        for v in variants:
+            v.max_diff = max(v.max_diff, (outs[v.name] - outs["eager"]).abs().max().item())
+    for v in variants:
+        if v.guarded is not None:
+            v.stats[label] = v.guarded.safecompile.stats()
+
+
+def random_report(kind: str, variants: list[Shaped], inputs: list[torch.Tensor]) -> None:
+    n = len(inputs)
+    shapes = {tuple(x.shape[:2]) for x in inputs}
+    plain = next(v for v in variants if v.name == PLAIN)
+    print(
+        f"\n### {kind}: {n} calls of random (batch, seq), {len(shapes)} distinct shapes, "
+        f"d={RANDOM_D}; variants interleaved call by call; pass 1 from nothing compiled, "
+        "pass 2 the same inputs again; load average "
+        f"{os.getloadavg()[0]:.2f}\n"
+    )
+    # Pass 1 without the calls during which any variant compiled: the canary checks' cost
+    # without the compile stalls (whose order between variants is luck).
+    stalls = set().union(*(v.compiling for v in variants))
+    print(
+        f'Pass 1 "w/o compiles" leaves out the {len(stalls)} calls during which any variant '
+        "compiled.\n"
+    )
+    print(
+        "| variant | pass 1 s | pass 1 vs torch.compile | pass 1 w/o compiles vs torch.compile | "
+        "pass 2 s | pass 2 vs torch.compile | pass 2 p50 / p99 µs | torch graphs | "
+        "stats().graphs | shadow_checks (pass 1 / 2) | eager_calls | report() bytes | "
+        "max abs diff |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+    def steady(v: Shaped) -> float:
+        return sum(t for i, t in enumerate(v.times["pass 1"]) if i not in stalls)
+
+    for v in variants:
+        t1, t2 = sum(v.times["pass 1"]), sum(v.times["pass 2"])
+        r1 = sum(plain.times["pass 1"]) / t1
+        r1s = steady(plain) / steady(v)
+        r2 = sum(plain.times["pass 2"]) / t2
+        cells = ["-"] * 4
+        if v.guarded is not None:
+            s1, s2 = v.stats["pass 1"], v.stats["pass 2"]
+            size = len(json.dumps(v.guarded.safecompile.report()))
+            cells = [
+                f"{s2.graphs}",
+                f"{s1.shadow_checks} / {s2.shadow_checks - s1.shadow_checks}",
+                f"{s2.eager_calls}",
+                f"{size:,}",
+            ]
+        print(
+            f"| {v.name} | {t1:.2f} | {r1:.2f}x | {r1s:.2f}x | {t2:.2f} | {r2:.2f}x | "
+            f"{pct(v.times['pass 2'], 0.5) * 1e6:,.0f} / {pct(v.times['pass 2'], 0.99) * 1e6:,.0f}"
+            f" | {v.graphs} | " + " | ".join(cells) + f" | {v.max_diff:.1e} |"
+        )
+    safe = next(v for v in variants if v.name == SAFE_DEFAULTS)
+    s = safe.stats["pass 2"]
+    print(
+        f"\n{SAFE_DEFAULTS}: state {safe.guarded.safecompile.state.value}, calls {s.calls}, "
+        f"compiled {s.compiled_calls}, eager {s.eager_calls}, recompile-limit calls "
+        f"{s.recompile_limit_calls}, shadow checks {s.shadow_checks} (skipped "
+        f"{s.shadow_skipped}, breaches {s.shadow_breaches}), rollbacks {s.rollbacks}; graphs:"
+    )
+    for g in safe.guarded.safecompile.report()["graphs"]:
+        print(
+            f"  graph {g['id']} [{g['inputs']}]: {g['calls']} calls, {g['checks']} checks, "
+            f"compiled {g['compiled']}, compile {g['compile_s']:.2f} s"
+        )
+
+
+def random_case(kind: str, args: argparse.Namespace) -> None:
+    inputs = random_inputs(args.calls, args.max_batch, args.max_seq, args.seed)
+    variants = random_variants(kind, args.backend)
+    for label in ("pass 1", "pass 2"):
+        random_pass(label, variants, inputs)
+        print(f"  {kind} {label} done", file=sys.stderr, flush=True)
+    random_report(kind, variants, inputs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="inductor")
@@ -483,6 +660,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--rounds", type=int, default=3, help="steady passes (median per request)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    parser.add_argument("--calls", type=int, default=1000, help="random-* models: calls a pass")
+    parser.add_argument("--max-batch", type=int, default=8, help="random-* models: batch 1..N")
+    parser.add_argument("--max-seq", type=int, default=64, help="random-* models: seq 1..N")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -492,29 +672,34 @@ def main() -> None:
     logging.getLogger("torch._dynamo").addHandler(limit_warnings)
 
     started = time.perf_counter()
-    if args.backend == "inductor":  # inductor's one-time start-up, on a throwaway function
-        t = time.perf_counter()
-        torch.compile(lambda x: x.sin() + 1, backend="inductor")(torch.randn(8))
-        startup = time.perf_counter() - t
-    else:
-        startup = 0.0
+    # The backend's one-time start-up (inductor: 10-25 s here), on a throwaway function,
+    # so that no variant pays it for the others.
+    t = time.perf_counter()
+    torch.compile(lambda x: x.sin() + 1, backend=args.backend)(torch.randn(8))
+    startup = time.perf_counter() - t
     lens = lengths(args.requests, args.seed)
     print(
         f"torch {torch.__version__}, backend={args.backend}, threads={args.threads}, "
-        f"{args.requests} requests, seed {args.seed}, no_grad; inductor process start-up "
+        f"{args.requests} requests, seed {args.seed}, no_grad; backend process start-up "
         f"(excluded) {startup:.1f} s; pad sizes {list(pad_sizes[0])} / {list(pad_sizes[1])}; "
-        f"dynamic ranges {list(dyn_sizes)}",
+        f"dynamic ranges {list(dyn_sizes)}; load average {os.getloadavg()[0]:.2f} at start",
         flush=True,
     )
     with torch.no_grad():
         for kind in args.models.split(","):
+            if kind.startswith("random-"):
+                random_case(kind, args)
+                continue
             model = (Block() if kind == "transformer" else TokenMLP()).eval()
             requests = make_requests(kind, lens, args.batch, args.seed)
             variants = build(kind, model, args.backend, pad_sizes, dyn_sizes, args.batch)
             cold_pass(kind, model, variants, requests, args.backend, args.batch, limit_warnings)
             late = steady_pass(variants, requests, args.rounds)
             report(kind, variants, requests, args.batch, args.rounds, late)
-    print(f"\ntotal wall time {time.perf_counter() - started:.0f} s")
+    print(
+        f"\ntotal wall time {time.perf_counter() - started:.0f} s; load average "
+        f"{os.getloadavg()[0]:.2f} at the end"
+    )
 
 
 if __name__ == "__main__":
