@@ -32,7 +32,8 @@ time-to-compiled; measure and reduce the p99 of requests served during warmup.
 
     python bench/cold_start.py                       # inductor, every scenario (~8 min)
     python bench/cold_start.py --scenarios blocking,second-start
-    python bench/cold_start.py --backend aot_eager   # quick
+    python bench/cold_start.py --backend aot_eager   # every scenario, no inductor (~2.5 min)
+    python bench/cold_start.py --backend aot_eager --scenarios blocking   # smoke run (~15 s)
 """
 
 from __future__ import annotations

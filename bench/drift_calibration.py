@@ -13,7 +13,9 @@ compiler (each output computed in fp64 and rounded once): against it, the differ
 is all of eager's own rounding error, the largest honest difference there can be.
 
     .venv/bin/python bench/drift_calibration.py             # all: ~3 min cold on 2 cores
-    .venv/bin/python bench/drift_calibration.py --backends aot_eager --seeds 2
+    .venv/bin/python bench/drift_calibration.py --backends aot_eager --seeds 2   # ~50 s
+    .venv/bin/python bench/drift_calibration.py --backends aot_eager --dtypes fp32 --seeds 1
+                                                              # smoke run (~20 s)
 
 Run it alone on the machine: each inductor compile costs seconds on 2 cores.
 Exit status 1 if any honest run tripped or any fault was missed.

@@ -11,13 +11,16 @@ measures the median per-call time of:
 - the guarded function with the kill switch on (``SAFECOMPILE_DISABLE=1``: eager path),
 
 interleaving the variants round by round, in a rotating order, so machine noise hits
-them alike. Prints the medians and the differences the issue's targets are about:
-guard - bare compiled (target ≤ 1 µs) and kill-switched - eager (target ≤ 1 µs). The
-differences are paired per round (both variants timed in the same round); the table gives
-their median over rounds and, in brackets, their interquartile range.
+them alike. Every compiled variant is a copy with a code object of its own (dynamo keeps
+its cache entries per code object). Prints the medians and the differences the issue's
+targets are about: guard - bare compiled (target ≤ 1 µs) and kill-switched - eager
+(target ≤ 1 µs). The differences are paired per round (both variants timed in the same
+round); the table gives their median over rounds and, in brackets, their interquartile
+range.
 
     python bench/overhead.py                              # inductor (cold compiles ~10 s each)
     python bench/overhead.py --backend eager --rounds 3   # quick smoke run (~10 s)
+    python bench/overhead.py --split                      # also: where the guard's time goes
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import copy
 import os
 import statistics
 import time
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -43,6 +47,8 @@ EAGER = "eager"
 BARE = "bare compiled"
 GUARDED = "guarded"
 KILLED = "guarded, kill switch on"
+ISOLATED = "bare, with the guard's compile options"
+WRAPPED = "the guard's compiled function, no guard frame"
 
 
 def tiny(x: torch.Tensor) -> torch.Tensor:
@@ -74,25 +80,67 @@ def measure(
     return samples
 
 
-def bare_compile(fn: Callable[..., Any], backend: str) -> Callable[..., Any]:
+def own_code(fn: Any, tag: str) -> Any:
+    """A copy of ``fn`` (a function, or a module: its ``forward``) with a code object of its
+    own: dynamo keeps its cache entries on the code object, so variants that compile the
+    same code would share one entry list (and one recompile limit)."""
+    if isinstance(fn, torch.nn.Module):
+        cls = type(fn)
+        forward = own_code(cls.forward, tag)
+        clone = copy.deepcopy(fn)
+        clone.__class__ = type(f"{cls.__name__}_{tag}", (cls,), {"forward": forward})
+        return clone
+    name = f"{fn.__name__}_{tag}"
+    code = fn.__code__.replace(co_name=name, co_qualname=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def bare_compile(fn: Callable[..., Any], backend: str, **options: Any) -> Callable[..., Any]:
     """``torch.compile`` as the guard uses it: a module keeps ``Module.__call__`` and gets
     a compiled bound ``forward`` as an instance attribute; a function is compiled as is."""
     if isinstance(fn, torch.nn.Module):
-        module = copy.deepcopy(fn)
-        module.forward = torch.compile(module.forward, backend=backend)  # type: ignore[method-assign]
-        return module
-    return torch.compile(fn, backend=backend)
+        fn.forward = torch.compile(fn.forward, backend=backend, **options)  # type: ignore[method-assign]
+        return fn
+    return torch.compile(fn, backend=backend, **options)
+
+
+def split_variants(
+    fn: Callable[..., Any], guarded: Any, x: torch.Tensor, backend: str
+) -> dict[str, Callable[[], Any]]:
+    """``--split``: the guard's layers one at a time (a plain function only).
+
+    - torch.compile with the options the guard passes (``isolate_recompiles``, its own
+      recompile limit) and no backend wrapper;
+    - the guard's compiled function called directly: torch's call plus the guard's
+      per-graph wrapper (``_graphs._instrument``), without the guard's own frame.
+    """
+    iso = bare_compile(
+        own_code(fn, "isolated"), backend, isolate_recompiles=True, recompile_limit=18
+    )
+    inner = guarded.safecompile.gate.compiled  # internal: the compiled function the guard calls
+    for _ in range(3):
+        iso(x)
+    return {ISOLATED: lambda: iso(x), WRAPPED: lambda: inner(x)}
 
 
 def run_case(
-    label: str, fn: Callable[..., Any], x: torch.Tensor, *, backend: str, calls: int, rounds: int
+    label: str,
+    fn: Callable[..., Any],
+    x: torch.Tensor,
+    *,
+    backend: str,
+    calls: int,
+    rounds: int,
+    split: bool = False,
 ) -> dict[str, list[float]]:
-    def fresh() -> Callable[..., Any]:  # a module is guarded in place: one copy per variant
-        return copy.deepcopy(fn) if isinstance(fn, torch.nn.Module) else fn
-
-    bare = bare_compile(fn, backend)
-    guarded = safe_compile(fresh(), backend=backend, shadow=None, name=f"bench.{label}")
-    killed = safe_compile(fresh(), backend=backend, shadow=None, name=f"bench.{label}.killed")
+    # one copy per variant (a module is guarded in place), each with its own code object
+    bare = bare_compile(own_code(fn, "bare"), backend)
+    guarded = safe_compile(
+        own_code(fn, "guarded"), backend=backend, shadow=None, name=f"bench.{label}"
+    )
+    killed = safe_compile(
+        own_code(fn, "killed"), backend=backend, shadow=None, name=f"bench.{label}.killed"
+    )
     with torch.no_grad():
         for _ in range(3):  # compile and warm every variant
             bare(x)
@@ -104,6 +152,8 @@ def run_case(
             GUARDED: lambda: guarded(x),
             KILLED: lambda: killed(x),
         }
+        if split:
+            variants.update(split_variants(fn, guarded, x, backend))
         samples = measure(variants, calls=calls, rounds=rounds, disabled={KILLED})
     assert killed.safecompile.state == "disabled"
     stats = guarded.safecompile.stats()
@@ -125,6 +175,9 @@ def main() -> None:
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--calls", type=int, default=2000, help="calls per sample (tiny case)")
     parser.add_argument("--rounds", type=int, default=31, help="samples per variant")
+    parser.add_argument(
+        "--split", action="store_true", help="also time the guard's layers (tiny case)"
+    )
     args = parser.parse_args()
     print(
         f"torch {torch.__version__}, backend={args.backend}, threads=1, {args.rounds} rounds x "
@@ -139,9 +192,21 @@ def main() -> None:
         "\n| case | eager | bare compiled | guarded | kill switch on | guard - bare "
         "(IQR) | kill switch - eager (IQR) |\n|---|---|---|---|---|---|---|"
     )
+    splits: dict[str, list[float]] = {}
     for label, (fn, x) in cases.items():
-        calls = args.calls if "tiny" in label else max(args.calls // 10, 50)
-        s = run_case(label.split()[0], fn, x, backend=args.backend, calls=calls, rounds=args.rounds)
+        tiny_case = "tiny" in label
+        calls = args.calls if tiny_case else max(args.calls // 10, 50)
+        s = run_case(
+            label.split()[0],
+            fn,
+            x,
+            backend=args.backend,
+            calls=calls,
+            rounds=args.rounds,
+            split=args.split and tiny_case,
+        )
+        if args.split and tiny_case:
+            splits = s
         us = {k: statistics.median(v) * 1e6 for k, v in s.items()}
         guard = paired(s[GUARDED], s[BARE])
         kill = paired(s[KILLED], s[EAGER])
@@ -151,7 +216,25 @@ def main() -> None:
             f"{kill[0]:+.2f} µs ({kill[1]:+.2f} … {kill[2]:+.2f}) |",
             flush=True,
         )
+    if splits:
+        print_split(splits)
     print(f"\nload average {os.getloadavg()[0]:.2f} at the end")
+
+
+def print_split(s: dict[str, list[float]]) -> None:
+    """Each layer of the guard over the previous one, paired per round (tiny case)."""
+    print(
+        "\nThe guard's layers, tiny case (each over the previous, per-round paired median "
+        "and IQR):\n\n| layer | median per call | over the previous |\n|---|---|---|"
+    )
+    previous = None
+    for name in (BARE, ISOLATED, WRAPPED, GUARDED):
+        over = "—"
+        if previous is not None:
+            d = paired(s[name], s[previous])
+            over = f"{d[0]:+.2f} µs ({d[1]:+.2f} … {d[2]:+.2f})"
+        print(f"| {name} | {statistics.median(s[name]) * 1e6:.2f} µs | {over} |")
+        previous = name
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ so the two compete for the machine's 2 cores like two request threads would.
 Issue #3 targets: ``Shadow()`` defaults cost <= 3% throughput; async <= 5% on p99.
 
     python bench/shadow.py                      # inductor (cold compiles ~10 s here)
-    python bench/shadow.py --backend aot_eager  # quick
+    python bench/shadow.py --backend aot_eager  # no inductor, full size (~4 min)
+    python bench/shadow.py --backend aot_eager --rounds 2 --scale 0.1  # smoke run (~20 s)
 """
 
 from __future__ import annotations

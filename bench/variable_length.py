@@ -50,8 +50,10 @@ a built ``.so``); inductor's one-time process start-up cost is paid on a throwaw
 first and printed apart.
 
     python bench/variable_length.py                          # inductor (~5-8 min here)
-    python bench/variable_length.py --backend aot_eager      # quick
+    python bench/variable_length.py --backend aot_eager      # no inductor (~6 min)
     python bench/variable_length.py --requests 100 --models mlp
+    python bench/variable_length.py --backend aot_eager --requests 20 --models mlp --rounds 1
+                                                             # smoke run (~20 s)
 
 The ``random-mlp`` and ``random-block`` models (not in the default ``--models``) are the
 shadow-check case of issue #8 instead: a small module (d=64: an MLP over the last dim, or
