@@ -80,10 +80,6 @@ class Breaker:
         with self._lock:
             self._trial = None
 
-    @property
-    def in_trial(self) -> bool:
-        return self._trial is not None
-
     def reset(self) -> None:
         with self._lock:
             self.tripped = False

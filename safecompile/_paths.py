@@ -172,7 +172,7 @@ def finish(
 ) -> Any:
     """The compiled call returned, and something needs more than counting."""
     first, due, snapshot, new = slot.first, slot.due, slot.snapshot, slot.new
-    slot.due = slot.snapshot = slot.new = None
+    slot.end()
     if first is None or not first.compiled:
         # No compiled graph served: dynamo ran the frame eagerly, or the graph is past
         # the recompile limit and its traced code ran eagerly.
@@ -222,7 +222,7 @@ def recover(
 ) -> Any:
     """The compiled path raised: answer with eager's result, or eager's own error."""
     slot = c.slots.get()
-    slot.due = slot.snapshot = slot.new = None
+    slot.end()
     if entry is not None and _bucket_fault(c, failure, entry):
         return eager(c, args, kwargs, warmup=warmup)
     user_error: Exception | None = None
@@ -432,7 +432,7 @@ def _call_bucket(
             out = bucketer.unpad(plan, out, entry.cuts)
         except BucketError as exc:
             reject_bucket(c, entry, f"outputs could not be cut back: {exc}")
-            slot.due = slot.snapshot = slot.new = None
+            slot.end()
             return eager(c, args, kwargs, warmup=warmup)
     if not c.buckets.pads:
         entry.status = BucketStatus.READY
@@ -458,7 +458,7 @@ def _verify_bucket(
     assert c.buckets is not None
     bucketer = c.buckets.bucketer
     due, first = slot.due, slot.first
-    slot.due = slot.snapshot = slot.new = None
+    slot.end()
     eager_out = c.fn(*args, **kwargs)
     try:
         if bucketer.policy.outputs is not None:

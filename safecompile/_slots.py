@@ -48,6 +48,10 @@ class Slot:
     def begin(self) -> None:
         """Forget the previous call (the slow path's form of the hot path's two writes)."""
         self.first = None
+        self.end()
+
+    def end(self) -> None:
+        """Drop what the call noted for its check (and the references it held)."""
         self.due = None
         self.snapshot = None
         self.new = None
