@@ -23,12 +23,13 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    """A transformer encoder block (d_model 256) with a key-padding mask."""
+    """A transformer encoder block (d_model 256, 8 heads unless told) with a key-padding
+    mask."""
 
-    def __init__(self) -> None:
+    def __init__(self, d_model: int = D_MODEL, heads: int = 8) -> None:
         super().__init__()
         self.layer = nn.TransformerEncoderLayer(
-            D_MODEL, 8, dim_feedforward=4 * D_MODEL, dropout=0.0, batch_first=True
+            d_model, heads, dim_feedforward=4 * d_model, dropout=0.0, batch_first=True
         )
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -157,7 +157,10 @@ def guard(server: Server, backend: str, *, background: bool) -> Any:
         shadow=None,
         name="bench.cold_start",
         buckets=Buckets(
-            dims={"x": 1, "mask": 1}, sizes=pow2(16, 512), pad_value={"x": 0, "mask": 1}
+            dims={"x": 1, "mask": 1},
+            sizes=pow2(16, 512),
+            pad_value={"x": 0, "mask": 1},
+            strategy="pad",  # padded static buckets (the default "auto" is dynamic on CPU)
         ),
         warmup=Warmup(inputs=[server.example], background=background),
     )

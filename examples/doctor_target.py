@@ -6,12 +6,14 @@
 ``doctor_target()`` returns a :class:`~safecompile.doctor.DoctorTarget`: the model (in
 ``eval()`` mode, as it serves) and one example call per shape it serves. The doctor compiles
 each example cold, sweeps batch and sequence lengths around the first one, times compiled
-against eager and compares their outputs.
+against eager and compares their outputs. The target's backend is
+``$SAFECOMPILE_EXAMPLE_BACKEND`` when set, else inductor; ``--backend`` overrides both.
 """
 
 from __future__ import annotations
 
 import torch
+from _common import example_backend
 from torch import nn
 
 from safecompile.doctor import DoctorTarget
@@ -68,7 +70,9 @@ def doctor_target() -> DoctorTarget:
     """The model as it serves, and the shapes it serves most."""
     torch.manual_seed(0)
     model = TinyLM().eval()
-    return DoctorTarget(fn=model, inputs=[_call(8, 64), _call(1, 64)])
+    return DoctorTarget(
+        fn=model, inputs=[_call(8, 64), _call(1, 64)], backend=example_backend("inductor")
+    )
 
 
 if __name__ == "__main__":

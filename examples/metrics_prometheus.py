@@ -1,9 +1,16 @@
 """safecompile's metrics on a Prometheus endpoint, scraped once by the example itself.
 
+Needs the ``prometheus`` extra (the OpenTelemetry SDK, its Prometheus exporter and
+prometheus-client)::
+
+    pip install -e '.[prometheus]'
     python examples/metrics_prometheus.py                 # $SAFECOMPILE_METRICS_PORT or 9464
     python examples/metrics_prometheus.py --port 0        # any free port
     python examples/metrics_prometheus.py --serve 60      # then keep serving 60 s for Prometheus
     python examples/metrics_prometheus.py --buckets       # histogram buckets printed too
+    python examples/metrics_prometheus.py --backend inductor  # the real compiler
+
+(``--backend`` defaults to ``$SAFECOMPILE_EXAMPLE_BACKEND`` when set, else ``aot_eager``.)
 
 An OpenTelemetry ``MeterProvider`` with a ``PrometheusMetricReader`` (from
 ``opentelemetry-exporter-prometheus``) is handed to the guarded callables; prometheus_client
@@ -31,15 +38,13 @@ import os
 import sys
 import time
 import urllib.request
-import warnings
-
-warnings.filterwarnings("ignore")  # before torch: it warns when numpy is absent
-
 
 import torch
-from opentelemetry.exporter.prometheus import PrometheusMetricReader
-from opentelemetry.sdk.metrics import MeterProvider
-from prometheus_client import start_http_server
+from _common import add_backend_option, needs_extra, summary
+
+with needs_extra("prometheus"):
+    from _metrics import prometheus_meter_provider, safecompile_lines
+    from prometheus_client import start_http_server
 
 from safecompile import Shadow, safe_compile
 from safecompile.testing import DriftingBackend, FailingBackend
@@ -62,17 +67,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--calls", type=int, default=40, help="calls per callable")
     parser.add_argument("--serve", type=float, default=0.0, help="seconds to keep serving")
     parser.add_argument("--buckets", action="store_true", help="print histogram buckets too")
+    add_backend_option(parser, "aot_eager")
     args = parser.parse_args(argv)
 
-    reader = PrometheusMetricReader()  # registers with prometheus_client's default registry
-    meter_provider = MeterProvider(metric_readers=[reader])
+    meter_provider = prometheus_meter_provider()
     server, thread = start_http_server(args.port, addr="127.0.0.1")
     port = server.server_port
     url = f"http://127.0.0.1:{port}/metrics"
     print(f"# serving {url}", file=sys.stderr)
 
     try:
-        common = {"meter_provider": meter_provider, "backend": "aot_eager"}
+        common = {"meter_provider": meter_provider, "backend": args.backend}
         guarded = [
             safe_compile(score, name="example.score", shadow=Shadow(canary=8, every=0), **common),
             safe_compile(
@@ -93,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
 
         with urllib.request.urlopen(url, timeout=10) as response:
             body = response.read().decode("utf-8")
-        lines = [line for line in body.splitlines() if line.startswith("safecompile_")]
-        shown = lines if args.buckets else [x for x in lines if "_bucket{" not in x]
+        lines = safecompile_lines(body, buckets=True)
+        shown = safecompile_lines(body, buckets=args.buckets)
         for line in shown[:MAX_LINES]:
             print(line)
         hidden = len(lines) - min(len(shown), MAX_LINES)
@@ -104,12 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
         for g in guarded:
-            stats = g.safecompile.stats()
-            print(
-                f"# {g.safecompile.name}: state={g.safecompile.state.value} "
-                f"calls={stats.calls} compiled={stats.compiled_calls} eager={stats.eager_calls}",
-                file=sys.stderr,
-            )
+            print(f"# {summary(g)}", file=sys.stderr)
         if args.serve > 0:
             print(f"# serving for {args.serve:g} s more", file=sys.stderr)
             time.sleep(args.serve)

@@ -1,11 +1,15 @@
 """safecompile in one minute: guard a model, watch it compile, fail safely, and roll back.
 
-    python examples/quickstart.py                      # aot_eager: quick
-    python examples/quickstart.py --backend inductor   # the real compiler (~10 s compiles)
+    python examples/quickstart.py                      # inductor: the real compiler
+    python examples/quickstart.py --backend aot_eager  # quick: no C++ compiles
+
+(``--backend`` defaults to ``$SAFECOMPILE_EXAMPLE_BACKEND`` when set, else ``inductor``.)
 
 Three guarded callables, each showing one promise:
 
-1. a small ranking model compiles and serves, shadow-checked against eager;
+1. a small ranking model compiles and serves, shadow-checked against eager: each graph
+   torch compiles is compared with eager on its first calls (its canary), and the model
+   stays in state ``canary`` until every graph has passed its own;
 2. a post-processing function that cannot compile under ``fullgraph=True`` (a graph
    break): the caller still gets eager's answer, the guard rolls back, and the event
    points at the user's own line;
@@ -18,18 +22,15 @@ Then the kill switch turns everything off at runtime, without a restart.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
-import warnings
 
-warnings.filterwarnings("ignore")  # before torch: it warns when numpy is absent
-
-import structlog
 import torch
+from _common import add_backend_option, canary_lines, log_events, summary
 
 import safecompile
 from safecompile import Shadow, safe_compile
+from safecompile._progress import spinner
 from safecompile.testing import DriftingBackend
 
 
@@ -46,34 +47,26 @@ class Ranker(torch.nn.Module):
         return self.net(x).squeeze(-1)
 
 
-def show(title: str, guarded: object) -> None:
+def show(guarded: object) -> None:
+    """Its state, counters and events, each event with the user's file:line."""
     controller = guarded.safecompile  # type: ignore[attr-defined]
-    stats = controller.stats()
-    print(f"\n== {title}: state={controller.state.value}")
-    print(
-        f"   calls={stats.calls} compiled={stats.compiled_calls} eager={stats.eager_calls} "
-        f"compiles={stats.compiles} graph_breaks={stats.graph_breaks} "
-        f"shadow_checks={stats.shadow_checks} breaches={stats.shadow_breaches} "
-        f"rollbacks={stats.rollbacks}"
-    )
+    print(f"\n== {summary(guarded)}")
     for event in controller.events():
         where = f" at {os.path.basename(event.file)}:{event.line}" if event.file else ""
         reason = f" [{event.reason.value}]" if event.reason else ""
         first_line = (event.message or "").splitlines()[0] if event.message else ""
+        if where and where.strip() in first_line:  # the message names the line itself
+            where = ""
         print(f"   - {event.kind.value}{reason}{where}: {first_line}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="safecompile quickstart")
-    parser.add_argument("--backend", default="aot_eager", help="aot_eager (default) or inductor")
+    add_backend_option(parser, "inductor")
     args = parser.parse_args()
 
     # Show safecompile's state-change log events (it is silent unless you configure logging).
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="   log: %(message)s")
-    structlog.configure(
-        processors=[structlog.processors.KeyValueRenderer(key_order=["event", "function"])],
-        logger_factory=structlog.stdlib.LoggerFactory(),
-    )
+    log_events(sys.stdout, prefix="   log: ")
 
     torch.manual_seed(0)
     print(
@@ -88,7 +81,19 @@ def main() -> None:
         for batch in (8, 8, 8, 8, 8, 16, 16):
             scores = model(torch.randn(batch, 32))
     print(f"\nscored a batch of {scores.shape[0]}; state_dict keys: {list(model.state_dict())}")
-    show("demo.ranker", model)
+    show(model)
+
+    # Why "canary": Shadow(canary=4) compares each graph's first 4 calls with eager, and the
+    # state is the callable's: "canary" while any of its graphs still has checks left.
+    print("   why canary: each graph's first 4 calls are checked against eager, and the model")
+    print("   stays in canary until every graph has passed its own:")
+    for line in canary_lines(model):
+        print(f"     {line}")
+    left = max(graph["canary_left"] for graph in model.safecompile.report()["graphs"])
+    with torch.no_grad():
+        for _ in range(left):
+            model(torch.randn(16, 32))
+    print(f"   {left} more batch(es) of 16 end the canary: state={model.safecompile.state.value}")
 
     # 2. A function that cannot compile with fullgraph=True: data-dependent Python control flow.
     @safe_compile(backend=args.backend, fullgraph=True, name="demo.postprocess")
@@ -99,7 +104,7 @@ def main() -> None:
 
     probs = postprocess(scores)
     print(f"\npostprocess still answered (sum of probabilities = {probs.sum().item():.3f})")
-    show("demo.postprocess", postprocess)
+    show(postprocess)
 
     # 3. A compiled path that drifts by 1%: caught in the canary, never returned.
     def head(x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +114,7 @@ def main() -> None:
     x = torch.randn(8, 8)
     assert torch.equal(drifting(x), head(x)), "a drifted result reached the caller"
     print("\nthe drifting path was caught: the caller got eager's exact result")
-    show("demo.head", drifting)
+    show(drifting)
 
     # 4. The kill switch: honoured at the next call, no restart.
     os.environ[safecompile.ENV_VAR] = "demo.*"
@@ -123,4 +128,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with spinner(sys.stderr):  # on a terminal: "compiling demo.ranker [...] … 12 s"
+        main()

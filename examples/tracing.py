@@ -6,6 +6,9 @@
     OTEL_RESOURCE_ATTRIBUTES=openinference.project.name=safecompile \\
     python examples/tracing.py                           # sent over OTLP/HTTP (Phoenix here)
 
+Needs the ``otel`` extra (``pip install -e '.[otel]'``). ``--backend`` defaults to
+``$SAFECOMPILE_EXAMPLE_BACKEND`` when set, else ``aot_eager``.
+
 The exporter is configured by the standard ``OTEL_*`` variables only
 (``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``,
 ``OTEL_EXPORTER_OTLP_HEADERS``, ``OTEL_SERVICE_NAME``, ``OTEL_RESOURCE_ATTRIBUTES``...).
@@ -31,22 +34,22 @@ import argparse
 import logging
 import os
 import sys
-import warnings
-
-warnings.filterwarnings("ignore")  # before torch: it warns when numpy is absent
 
 import structlog
 import torch
-from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import (
-    BatchSpanProcessor,
-    ConsoleSpanExporter,
-    SimpleSpanProcessor,
-    SpanProcessor,
-)
+from _common import add_backend_option, needs_extra, summary
 from torch import nn
+
+with needs_extra("otel"):
+    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import (
+        BatchSpanProcessor,
+        ConsoleSpanExporter,
+        SimpleSpanProcessor,
+        SpanProcessor,
+    )
 
 import safecompile
 from safecompile import Shadow, safe_compile
@@ -115,7 +118,7 @@ class Ranker(nn.Module):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--backend", default="aot_eager", help="torch.compile backend")
+    add_backend_option(parser, "aot_eager")
     parser.add_argument("--requests", type=int, default=12, help="requests to serve")
     args = parser.parse_args(argv)
 
@@ -147,14 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                 scores = ranker(features(x))
                 span.set_attribute("example.batch", int(scores.shape[0]))
 
-    for guarded in (features.safecompile, ranker.safecompile):
-        stats = guarded.stats()
-        print(
-            f"# {guarded.name}: state={guarded.state.value} calls={stats.calls} "
-            f"compiled={stats.compiled_calls} eager={stats.eager_calls} "
-            f"graph_breaks={stats.graph_breaks} rollbacks={stats.rollbacks}",
-            file=sys.stderr,
-        )
+    for guarded in (features, ranker):
+        print(f"# {summary(guarded)}", file=sys.stderr)
     provider.shutdown()  # flush what is still batched
     return 0
 

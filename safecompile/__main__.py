@@ -1,8 +1,10 @@
 """The command line: ``python -m safecompile doctor MODULE:FACTORY`` (or ``safecompile doctor``).
 
 Exit codes: 0 ready, 1 not ready, 2 usage error (bad flags, MODULE:FACTORY that does not
-import or call, a bad return value, example inputs that fail in eager), 3 the doctor itself
-crashed (a bug in safecompile: please report it with the traceback).
+import or call, a bad return value, example inputs that fail in eager, ``--html`` without
+matplotlib), 3 the doctor itself crashed (a bug in safecompile: please report it with the
+traceback). A usage error is one line on stderr (``--traceback`` adds the traceback of the
+user's own code, where it raised).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 import traceback
 from collections.abc import Sequence
 
+from . import _doctor_html as _html
 from . import doctor
 
 __all__ = ["main"]
@@ -97,6 +100,18 @@ def _parser() -> argparse.ArgumentParser:
         "--json", metavar="PATH", help="also write the report as JSON to PATH ('-': stdout)"
     )
     doctor.add_argument(
+        "--html",
+        metavar="PATH",
+        help="also write the report as one self-contained HTML page with plots to PATH "
+        "(needs matplotlib: pip install 'safecompile[html]')",
+    )
+    doctor.add_argument(
+        "--traceback",
+        action="store_true",
+        help="on a usage error raised by your code (an import or the factory), also print "
+        "its traceback",
+    )
+    doctor.add_argument(
         "--repeat",
         type=_positive_int,
         default=20,
@@ -146,14 +161,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _doctor(args)
 
 
+def _usage_error(message: str) -> int:
+    """Say what is wrong in one line on stderr; return the usage exit code."""
+    print(f"safecompile doctor: error: {' '.join(message.split())}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def _check_outputs(args: argparse.Namespace) -> str | None:
+    """What is wrong with the output flags, checked before minutes of compiling."""
+    outputs = [("--json", args.json)] if args.json not in (None, "-") else []
+    if args.html is not None:
+        outputs.append(("--html", args.html))
+    for flag, path in outputs:
+        if os.path.isdir(path):
+            return f"{flag} {path}: is a directory; give a file name"
+        if not os.path.isdir(os.path.dirname(os.path.abspath(path))):
+            return f"{flag} {path}: no such directory"
+    if args.html is not None and not _html.available():
+        return f"--html needs matplotlib, which is not installed: {_html.INSTALL_HINT}"
+    return None
+
+
 def _doctor(args: argparse.Namespace) -> int:
-    if args.json not in (None, "-"):
-        folder = os.path.dirname(os.path.abspath(args.json))
-        if not os.path.isdir(folder):  # say so now, not after minutes of compiling
-            print(
-                f"safecompile doctor: error: --json {args.json}: no such directory", file=sys.stderr
-            )
-            return EXIT_USAGE
+    problem = _check_outputs(args)
+    if problem is not None:
+        return _usage_error(problem)
 
     settings = doctor.Settings(
         backend=args.backend,
@@ -177,10 +209,9 @@ def _doctor(args: argparse.Namespace) -> int:
             target = doctor.load_target(args.target)
             report = doctor.diagnose(target, settings, spec=args.target, progress=progress)
     except doctor.UsageError as exc:
-        if exc.detail:
+        if exc.detail and args.traceback:
             print(exc.detail.rstrip(), file=sys.stderr)
-        print(f"safecompile doctor: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _usage_error(str(exc))
     except Exception:
         traceback.print_exc()
         print(
@@ -195,16 +226,22 @@ def _doctor(args: argparse.Namespace) -> int:
         print(text)
     else:
         print(doctor.render_text(report), end="")
-        if args.json:
-            try:
-                with open(args.json, "w", encoding="utf-8") as f:
-                    f.write(text + "\n")
-            except OSError as exc:
-                print(
-                    f"safecompile doctor: error: cannot write {args.json}: {exc}", file=sys.stderr
-                )
-                return EXIT_USAGE
+        if args.json and not _write(args.json, text + "\n"):
+            return EXIT_USAGE
+    if args.html and not _write(args.html, _html.render_html(report)):
+        return EXIT_USAGE
     return report.exit_code
+
+
+def _write(path: str, text: str) -> bool:
+    """Write ``text`` to ``path``; on failure say why in one line and return ``False``."""
+    try:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+    except OSError as exc:
+        _usage_error(f"cannot write {path}: {exc.strerror or exc}")
+        return False
+    return True
 
 
 if __name__ == "__main__":

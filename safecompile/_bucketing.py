@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable
@@ -20,9 +21,16 @@ from typing import Any
 
 import torch
 
-from ._buckets import Bucketer, CutSpec, Plan
+from ._buckets import Bucketer, CutSpec, Plan, resolve_strategy
 
-__all__ = ["MAX_BUCKETS", "BucketEntry", "BucketStatus", "BucketTable", "unmark"]
+__all__ = [
+    "MAX_BUCKETS",
+    "BucketEntry",
+    "BucketStatus",
+    "BucketTable",
+    "resolve_strategy",
+    "unmark",
+]
 
 MAX_BUCKETS = 1024
 
@@ -45,13 +53,23 @@ class BucketEntry:
     padded_calls: int = 0
     padded_elements: int = 0
     real_elements: int = 0
+    # Across restarts (:mod:`._restart`): the plan key the verdict is stored under, whether
+    # it was looked up, what an earlier process found ("verified"/"rejected"), and its
+    # saved cut until the first padded output rebuilds it.
+    key: Hashable = None
+    looked_up: bool = False
+    restored: str | None = None
+    saved: list[Any] | None = None
 
     def count(self, plan: Plan, *, padded: bool) -> None:
+        """One call served; padding waste is counted over the bucketed dims (with
+        several axes, the product of their sizes against that of their lengths)."""
         self.calls += 1
         if padded:
+            real = math.prod(plan.lengths)
             self.padded_calls += 1
-            self.padded_elements += plan.size - plan.length
-            self.real_elements += plan.length
+            self.padded_elements += math.prod(plan.sizes) - real
+            self.real_elements += real
 
     def to_dict(self) -> dict[str, Any]:
         waste = self.padded_elements / max(1, self.padded_elements + self.real_elements)
@@ -62,6 +80,7 @@ class BucketEntry:
             "padding_waste": waste,
             "cut": self.cuts.describe() if self.cuts is not None else None,
             "why": self.why,
+            "restored": self.restored,
         }
 
 
@@ -70,7 +89,7 @@ class BucketTable:
 
     def __init__(self, bucketer: Bucketer) -> None:
         self.bucketer = bucketer
-        self.pads = bucketer.policy.strategy == "pad"
+        self.pads = bucketer.strategy == "pad"
         self._lock = threading.Lock()
         self.entries: OrderedDict[Hashable, BucketEntry] = OrderedDict()
 
@@ -79,7 +98,7 @@ class BucketTable:
         with self._lock:
             found = self.entries.get(plan.key)
             if found is None:
-                found = BucketEntry(label=plan.describe())
+                found = BucketEntry(label=plan.describe(), key=plan.key)
                 self.entries[plan.key] = found
                 if len(self.entries) > MAX_BUCKETS:
                     self.entries.popitem(last=False)
@@ -90,31 +109,55 @@ class BucketTable:
             self.entries.clear()
 
     def report(self) -> dict[str, Any]:
+        """Each bucket seen, by label."""
         with self._lock:
             return {e.label: e.to_dict() for e in self.entries.values()}
+
+    def summary(self) -> dict[str, Any]:
+        """The policy as resolved: the strategy in use (``"auto"`` resolved), the axes
+        and their sizes, and how many buckets (graphs) that makes at most."""
+        policy = self.bucketer.policy
+        return {
+            "strategy": self.bucketer.strategy,
+            "requested": policy.strategy,
+            "axes": {
+                a.name if a.name is not None else "length": list(a.sizes) for a in policy.axes
+            },
+            "buckets": policy.bucket_count,
+        }
 
     def mark_range(
         self, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> list[tuple[torch.Tensor, dict[str, Any]]]:
-        """``strategy="dynamic"``: bound the graph for this bucket to its range of lengths.
+        """``strategy="dynamic"``: bound the graph for this bucket to its range of lengths,
+        on each axis (an axis whose range holds one length, or only a length dynamo
+        specialises, 0 or 1, stays static).
 
         Marks every bucketed tensor of the call and returns what :func:`unmark` needs to
         take the marks off again: ``mark_dynamic`` writes attributes on the caller's
         tensors, and left there they would make every other compiled function those
         tensors reach recompile.
         """
-        sizes = self.bucketer.policy.sizes
-        index = sizes.index(plan.size) if plan.size in sizes else -1
-        low = max(2, sizes[index - 1] + 1 if index > 0 else 2)
-        if plan.length < low or plan.size <= low:
-            return []  # a one-length range (or a length dynamo specialises): a static graph
+        ranges: dict[int, tuple[int, int]] = {}
+        for axis, spec in enumerate(self.bucketer.policy.axes):
+            size, length = plan.sizes[axis], plan.lengths[axis]
+            if size not in spec.sizes:
+                continue  # a length torch specialises (0, 1): a static graph of its own
+            index = spec.sizes.index(size)
+            low = max(2, spec.sizes[index - 1] + 1 if index > 0 else 2)
+            if low <= length and low < size:
+                ranges[axis] = (low, size)
+        if not ranges:
+            return []  # every range holds one length: a static graph
         found, _ = self.bucketer._find(args, kwargs)
         marked = []
         for slot, _, tensor in found:
             saved = {a: copy.copy(getattr(tensor, a)) for a in _MARKS if hasattr(tensor, a)}
             marked.append((tensor, saved))
-            for dim in slot.dims:
-                torch._dynamo.mark_dynamic(tensor, dim % tensor.dim(), min=low, max=plan.size)
+            for dim, axis in slot.dims:
+                if axis in ranges:
+                    low, high = ranges[axis]
+                    torch._dynamo.mark_dynamic(tensor, dim % tensor.dim(), min=low, max=high)
         return marked
 
 

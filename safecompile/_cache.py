@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 from ._log import log_event
+from ._remote import RemoteVerdicts, remote_verdicts
 from ._version import __version__
 
 __all__ = [
@@ -65,8 +66,9 @@ SCHEMA_VERSION = 1
 _KEY_CHARS = 32  # hex digits of an artifact key (128 bits)
 _MAX_CODE_OBJECTS = 2000  # bound on the code walked for one fingerprint
 _ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_", "TORCH_DYNAMO_")
-# Settings that only say where things go (or which job this is), not what is compiled.
-_PLACE_ONLY = re.compile(r"(_DIR|_PATH|_FILE|JOB_ID)$")
+# Settings that only say where things go (or which job this is), not what is compiled:
+# directories, remote caches (on or off, and where: TORCHINDUCTOR_REDIS_URL), job ids.
+_PLACE_ONLY = re.compile(r"(_DIR|_PATH|_FILE|JOB_ID|_URL|_HOST|_PORT|REMOTE_CACHE)$")
 # Library code is covered by its package version; only user code is walked.
 _LIBRARY_ROOTS = frozenset(
     {"torch", "torchvision", "torchaudio", "triton", "functorch", "safecompile", "builtins"}
@@ -415,6 +417,9 @@ class Verdict:
         )
 
 
+_FROM_ENV: Any = object()  # VerdictStore's remote tier: the environment's
+
+
 class VerdictStore:
     """Verdicts persisted under ``root/verdicts``: one JSON file per (key, scope).
 
@@ -423,10 +428,15 @@ class VerdictStore:
     file wins); readers ignore, with one warning per file, anything they cannot trust.
     Write failures (read-only disk, full disk) are warnings too: :meth:`put` returns
     ``False``.
+
+    ``remote``: a fleet-wide tier (:mod:`._remote`; by default the one
+    ``SAFECOMPILE_REMOTE_CACHE`` names, if any). Reads fall back to it when the local file
+    is missing; writes and deletes go to both; it never fails a call.
     """
 
-    def __init__(self, root: Path | str) -> None:
+    def __init__(self, root: Path | str, *, remote: RemoteVerdicts | None = _FROM_ENV) -> None:
         self.directory = Path(root) / "verdicts"
+        self.remote = remote_verdicts() if remote is _FROM_ENV else remote
 
     def path(self, key: str, scope: str = "") -> Path:
         """The file holding ``(key, scope)``."""
@@ -438,8 +448,11 @@ class VerdictStore:
     ) -> Verdict | None:
         """The verdict for ``(key, scope)``, or ``None`` (none, unreadable, foreign, or
         older than ``max_age`` seconds before ``now``)."""
-        path = self.path(key, scope)
-        doc = _read_json(path)
+        path: Path | str = self.path(key, scope)
+        doc = _read_json(self.path(key, scope))
+        if doc is None and self.remote is not None:
+            path = self.remote.where(key, scope)
+            doc = _decode_json(path, self.remote.get(key, scope))
         if doc is None:
             return None
         try:
@@ -468,7 +481,9 @@ class VerdictStore:
             "verdict": verdict.to_dict(),
         }
         data = json.dumps(doc, sort_keys=True, indent=1, default=str).encode()
-        return _write_atomic(self.path(key, scope), data)
+        written = _write_atomic(self.path(key, scope), data)
+        shared = self.remote is not None and self.remote.put(key, scope, data)
+        return written or shared
 
     def all(self, key: str) -> dict[str, Verdict]:
         """Every readable verdict under ``key``, by scope."""
@@ -485,6 +500,9 @@ class VerdictStore:
                 verdict = self.get(key, scope)
                 if verdict is not None:
                     out[scope] = verdict
+        for scope in self.remote.all(key) if self.remote is not None else ():
+            if scope not in out and (verdict := self.get(key, scope)) is not None:
+                out[scope] = verdict
         return out
 
     def clear(self, key: str | None = None, scope: str | None = None) -> int:
@@ -497,7 +515,7 @@ class VerdictStore:
                 targets = sorted(folder.rglob("*.json"))
             except OSError:
                 return 0
-        removed = 0
+        removed = self.remote.delete(key, scope) if self.remote is not None else 0
         for path in targets:
             try:
                 path.unlink()
@@ -535,6 +553,21 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return doc
 
 
+def _decode_json(where: str, raw: bytes | None) -> dict[str, Any] | None:
+    """A verdict document read from the remote tier, or ``None`` (warned once if bad)."""
+    if raw is None:
+        return None
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        _ignored(where, f"corrupt: {type(exc).__name__}: {exc}")
+        return None
+    if not isinstance(doc, dict):
+        _ignored(where, f"foreign: a JSON {type(doc).__name__}, not an object")
+        return None
+    return doc
+
+
 def _write_atomic(path: Path, data: bytes) -> bool:
     tmp: str | None = None
     try:
@@ -556,7 +589,7 @@ def _write_atomic(path: Path, data: bytes) -> bool:
                 os.unlink(tmp)
 
 
-def _ignored(path: Path, reason: str) -> None:
+def _ignored(path: Path | str, reason: str) -> None:
     """Warn once per file and reason; never raises."""
     token = f"{path}\0{reason}"
     with _lock:

@@ -6,6 +6,7 @@ A :class:`Controller` owns the parts, each in the module named for it:
   backend that wraps the user's;
 - :mod:`._breaker`: tripped or not, backoff, the one-call half-open trial;
 - :mod:`._compiles`: the compile in flight (single flight) and persisted failures;
+- :mod:`._restart`: bucket verdicts and torch's compile artifacts across restarts;
 - :mod:`._shadow` and :mod:`._state`: checks against eager, state-safe;
 - :mod:`._bucketing`: what was learnt about each bucket;
 - :mod:`._slots`: per-thread call slots and counters;
@@ -32,9 +33,13 @@ from ._breaker import Breaker
 from ._bucketing import BucketTable
 from ._buckets import Bucketer
 from ._compiles import CompileTracker, KnownFailures
+from ._explain import Explanation, explain
 from ._graphs import GraphHooks, GraphRecord, GraphTable, GuardBackend, time_tracing, trace_started
 from ._model import Event, EventKind, Reason, State, Stats
 from ._policies import Rollback, Shadow
+from ._progress import Compiling, watch_compile
+from ._ranks import Agreement, safe_point
+from ._restart import Persisted, restart_key_options
 from ._shadow import ShadowRunner, Sink
 from ._slots import Slots
 from ._source import (
@@ -46,6 +51,7 @@ from ._source import (
     safe_message,
     truncate,
 )
+from ._speed import Decision, SpeedPolicy
 from ._state import Snapshot
 
 __all__ = ["Clock", "CompileOptions", "Controller", "Gate", "Sink"]
@@ -84,6 +90,30 @@ def _unset(*args: Any, **kwargs: Any) -> Any:  # pragma: no cover - replaced at 
     raise RuntimeError("safecompile: the compiled function is not built yet")
 
 
+class _CompileOnFirstUse:
+    """``gate.compiled`` until the compiled path is first taken: calls ``torch.compile``
+    then (once, whichever thread comes first), puts the result in the gate, and runs it."""
+
+    __slots__ = ("_build", "_built", "_gate", "_lock")
+
+    def __init__(self, gate: Gate, build: Callable[[], Callable[..., Any]]) -> None:
+        self._gate = gate
+        self._build = build
+        self._built: Callable[..., Any] | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        built = self._built
+        if built is None:
+            with self._lock:
+                built = self._built
+                if built is None:
+                    built = self._built = self._build()
+                    if self._gate.compiled is self:  # reset() may have replaced us
+                        self._gate.compiled = built
+        return built(*args, **kwargs)
+
+
 class Controller:
     """The ``.safecompile`` attribute of a guarded callable (see API.md §2)."""
 
@@ -100,6 +130,7 @@ class Controller:
         clock: Clock,
         module: torch.nn.Module | None = None,
         bucketer: Bucketer | None = None,
+        group: object = None,
     ) -> None:
         self.name = name
         self.fn = fn
@@ -116,6 +147,11 @@ class Controller:
         self.gate = Gate()
         self.slots = Slots()
         self.breaker = Breaker(rollback, clock)
+        self.ranks = (
+            Agreement(group, every=rollback.sync_every, timeout=rollback.sync_timeout)
+            if group is not None
+            else None
+        )
         self.compiles = CompileTracker(self.update_gate)
         self.buckets = BucketTable(bucketer) if bucketer is not None else None
         self.failures = KnownFailures(
@@ -128,12 +164,19 @@ class Controller:
                 "extra": {"fullgraph": compile_options.fullgraph},
             },
         )
+        self.persisted = Persisted(
+            module if module is not None else fn,
+            restart_key_options(compile_options, bucketer, shadow),
+        )
+        self.speed_policy = (
+            SpeedPolicy(ratio=rollback.slower_ratio, min_pairs=rollback.slower_min_samples)
+            if rollback.slower_ratio is not None
+            else None
+        )
         self.shadow = ShadowRunner(
             policy=shadow,
-            rollback=rollback,
             fn=fn,
             on_breach=self._on_async_breach,
-            on_slower=lambda message: self.trip(Reason.SLOWER, message=message),
             sink=sink,
             record=self.record,
             clock=clock,
@@ -195,7 +238,11 @@ class Controller:
                 max_rel_diff=shadow.max_rel,
                 rollbacks=self._rollbacks,
                 last_rollback=self._last_rollback,
-                extra={"latency": shadow.latency, "shadow_queue_full": shadow.queue_full},
+                extra={
+                    "latency": shadow.latency,
+                    "shadow_queue_full": shadow.queue_full,
+                    "speed": _speed_figures(graphs, on=self.speed_policy is not None),
+                },
             )
 
     def events(self) -> tuple[Event, ...]:
@@ -206,9 +253,10 @@ class Controller:
     def warmup(self, *args: Any, **kwargs: Any) -> None:
         """Compile now for these inputs, blocking; the result is discarded.
 
-        With buckets, every bucket size is compiled. Warmup calls are not counted as
-        calls and are checked against eager. A failure trips the callable as a live call
-        would (a user's own error in the example inputs is raised).
+        With buckets, every bucket is compiled: each size, or with several axes each
+        combination of sizes (the product), its padding verified. Warmup calls are not
+        counted as calls and are checked against eager. A failure trips the callable as a
+        live call would (a user's own error in the example inputs is raised).
         """
         from ._paths import call_slow  # noqa: PLC0415 - _paths builds on this module
 
@@ -220,11 +268,18 @@ class Controller:
         try:
             if self.buckets is None:
                 call_slow(self, args, kwargs, warmup=True)
-                return
-            bucketer = self.buckets.bucketer
-            for length in bucketer.warmup_lengths():
-                sized_args, sized_kwargs = bucketer.resize(args, kwargs, length)
-                call_slow(self, sized_args, sized_kwargs, warmup=True)
+            else:
+                bucketer = self.buckets.bucketer
+                for lengths in bucketer.warmup_calls():  # every combination of sizes
+                    sized_args, sized_kwargs = bucketer.resize(args, kwargs, lengths)
+                    call_slow(self, sized_args, sized_kwargs, warmup=True)
+                for lengths in bucketer.warmup_specialised():  # length 1, dynamic ranges
+                    sized_args, sized_kwargs = bucketer.resize(args, kwargs, lengths)
+                    try:
+                        call_slow(self, sized_args, sized_kwargs, warmup=True)
+                    except Exception:  # it cannot take length 1: none will come, skip it
+                        continue
+            self.persisted.save_artifacts(self.name)  # torch's artifacts, for a restart
         finally:
             with self.lock:
                 self._warmups -= 1
@@ -241,6 +296,23 @@ class Controller:
         """Trip to eager now."""
         self.trip(Reason(reason), message="rolled back by a call to rollback()")
 
+    def sync(self) -> State:
+        """Agree on trips with every rank of the process group now, and return the state.
+
+        A collective: call it on every rank at the same point (a training step's
+        boundary). A trip held on any rank switches every rank here, together; it waits
+        at most ``Rollback(sync_timeout=...)`` for the peers. Without a group: nothing to
+        agree, the state is returned.
+        """
+        if self.ranks is not None:
+            compiled, eager, _ = self.slots.totals()
+            safe_point(self, compiled + eager)
+        return self.state
+
+    def safe_point(self, call: int) -> None:
+        """The safe point before call ``call`` (0-based), every ``sync_every`` calls."""
+        safe_point(self, call)
+
     def reset(self) -> None:
         """Forget trips, verdicts and compiled graphs: back to ``"pending"``.
 
@@ -252,10 +324,13 @@ class Controller:
             if code is not None:
                 torch._dynamo.reset_code(code)  # type: ignore[attr-defined]
             self.breaker.reset()
+            if self.ranks is not None:
+                self.ranks.take_held()
             self.compiles.reset()
             self.slots.clear()
             self.shadow.reset()
             self.failures.forget()
+            self.persisted.forget()
             if self.buckets is not None:
                 self.buckets.clear()
             self._zero()
@@ -277,8 +352,10 @@ class Controller:
             "stats": self.stats().to_dict(),
             "graphs": [g.to_dict() for g in self.table],
             "buckets": self.buckets.report() if self.buckets is not None else {},
+            "bucketing": self.buckets.summary() if self.buckets is not None else None,
             "events": [e.to_dict() for e in self.events()],
             "source": _location_kwargs(self.location) or None,
+            "ranks": self.ranks.report() if self.ranks is not None else None,
         }
 
     # ------------------------------------------------------------------ wiring
@@ -293,7 +370,7 @@ class Controller:
 
     def _build(self) -> None:
         """A fresh graph table and the compiled function whose backend fills it."""
-        self.table = GraphTable(self.shadow_policy)
+        self.table = GraphTable(self.shadow_policy, self.speed_policy)
         time_tracing()
         limit = self.rollback_policy.max_recompiles
         hooks = GraphHooks(
@@ -306,19 +383,28 @@ class Controller:
             snapshot=self._snapshot,
             bucket_label=lambda: getattr(self.slots.local, "bucket", None),
             clock=self.clock,
+            on_speed=self._on_speed,
+            announce=self._announce_compile,
         )
         opts = self.opts
         guard_filter = (opts.options or {}).get("guard_filter_fn")
-        self.gate.compiled = compile_function(
-            self.fn,
-            backend=GuardBackend(opts.compiler, hooks, opts.backend_label),
-            dynamic=opts.dynamic,
-            fullgraph=opts.fullgraph,
-            # torch's own limit stays above ours: past ours, our backend serves the traced
-            # graph eagerly and says so; torch never falls back silently first
-            recompile_limit=max(2 * limit + 2, 8),
-            options={"guard_filter_fn": guard_filter} if guard_filter is not None else None,
-        )
+        backend = GuardBackend(opts.compiler, hooks, opts.backend_label)
+
+        def build() -> Callable[..., Any]:
+            return compile_function(
+                self.fn,
+                backend=backend,
+                dynamic=opts.dynamic,
+                fullgraph=opts.fullgraph,
+                # torch's own limit stays above ours: past ours, our backend serves the
+                # traced graph eagerly and says so; torch never falls back silently first
+                recompile_limit=max(2 * limit + 2, 8),
+                options={"guard_filter_fn": guard_filter} if guard_filter is not None else None,
+            )
+
+        # torch.compile is called on the first call that takes the compiled path, never
+        # while the kill switch is on (API.md §3), not at decoration.
+        self.gate.compiled = _CompileOnFirstUse(self.gate, build)
 
     def _snapshot(self, graph_args: tuple[Any, ...], copy: bool) -> Any:
         return Snapshot.take(graph_args, self.module, copy=copy)
@@ -352,28 +438,30 @@ class Controller:
 
     def note_warmup_error(self, error: BaseException) -> None:
         """A background warmup example raised eagerly too: record it; eager keeps serving."""
-        where, details = self.error_where(error)
+        where, details, explained = self.describe_error(error)
         self.record(
             Event(
                 kind=EventKind.WARMUP_FAILED,
                 time=time.time(),
                 error_type=error_type_name(error),
-                message=safe_message(error),
+                message=explained.text,
                 details=details,
                 **where,
             )
         )
 
     def refresh_switch(self) -> None:
-        """Re-read the kill switch (the environment or ``disable()`` changed)."""
+        """Re-read the kill switch (the environment, ``disable()`` or the watched source
+        changed)."""
         with self.lock:
             token = ks.env_token()
+            generation = ks.SWITCH.generation  # before the rules: a change after is seen
             disabled = ks.parse(token if isinstance(token, str | bytes) else None).matches(
                 self.name
-            ) or ks.SWITCH.rule.matches(self.name)
+            ) or ks.SWITCH.matches(self.name)
             changed = disabled != self.gate.disabled
             self.gate.token = token
-            self.gate.generation = ks.SWITCH.generation
+            self.gate.generation = generation
             self.gate.disabled = disabled
             self.update_gate()
         if changed:
@@ -382,7 +470,7 @@ class Controller:
                 Event(
                     kind=kind,
                     time=time.time(),
-                    message=f"kill switch: {ks.ENV_VAR} or disable() "
+                    message=f"kill switch: {ks.ENV_VAR}, disable() or the watched source "
                     + ("turned this callable off" if disabled else "no longer applies"),
                 )
             )
@@ -414,36 +502,70 @@ class Controller:
         max_abs: float | None = None,
         max_rel: float | None = None,
     ) -> None:
-        """Send every later call to eager (until ``retry_after``, or ``reset()``)."""
+        """Send every later call to eager (until ``retry_after``, or ``reset()``).
+
+        With a process group the trip is held, and every rank switches at the next safe
+        point (:mod:`._ranks`); the call that tripped has its answer from eager already.
+        A compile error trips this rank at once (it has no compiled code to run, and
+        would compile again on every call); its peers follow at the next safe point.
+        """
+        if self.ranks is not None and reason is not Reason.COMPILE_ERROR and self.ranks.holds():
+            if not self.breaker.tripped:
+                self.ranks.hold(
+                    self._rollback_event(reason, error, message, bucket, graph, max_abs, max_rel)
+                )
+            return
         if not self.breaker.trip() and reason is not Reason.MANUAL:
             return
+        event = self._rollback_event(reason, error, message, bucket, graph, max_abs, max_rel)
+        self.note_trip(event)
+
+    def note_trip(self, event: Event) -> None:
+        """The breaker has just tripped: count it and record its event."""
         with self.lock:
             self._rollbacks += 1
             self.update_gate()
+        if self.breaker.wait is not None:
+            event.details["retry_in_s"] = self.breaker.wait
+        with self.lock:
+            self._last_rollback = event
+        self.record(event)
+
+    def _rollback_event(
+        self,
+        reason: Reason,
+        error: BaseException | None,
+        message: str | None,
+        bucket: str | None,
+        graph: GraphRecord | None,
+        max_abs: float | None,
+        max_rel: float | None,
+    ) -> Event:
+        text = ""
         if error is not None:
-            where, details = self.error_where(error)
+            where, details, explained = self.describe_error(error)
+            text = explained.text
+            if reason is Reason.COMPILE_ERROR:
+                # the compile_failed event just before says it in full: refer to it
+                del details["error_message"]
+                text = f"compile failed: {explained.summary} (see compile_failed)"
         else:
             where, details = _location_kwargs(self.location), {}
-        if self.breaker.wait is not None:
-            details["retry_in_s"] = self.breaker.wait
         if graph is not None:
             details["graph"] = graph.id
             details["graph_inputs"] = graph.label
-        event = Event(
+        return Event(
             kind=EventKind.ROLLBACK,
             reason=reason,
             time=time.time(),
             bucket=bucket if bucket is not None else (graph.bucket if graph else None),
             error_type=error_type_name(error) if error is not None else None,
-            message=truncate(message) if message is not None else safe_message(error or ""),
+            message=truncate(message) if message is not None else text,
             max_abs_diff=max_abs,
             max_rel_diff=max_rel,
             details=details,
             **where,
         )
-        with self.lock:
-            self._last_rollback = event
-        self.record(event)
 
     def compile_failed(
         self, error: BaseException, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -451,7 +573,7 @@ class Controller:
         """A compile raised (not the user's own error): persist it and say so."""
         self.failures.persist(self.name, error, args, kwargs)
         started = trace_started()
-        where, details = self.error_where(error)
+        where, details, explained = self.describe_error(error)
         with self.lock:
             self._compile_errors += 1
         self.record(
@@ -462,11 +584,44 @@ class Controller:
                 bucket=getattr(self.slots.local, "bucket", None),
                 duration_s=time.perf_counter() - started if started is not None else None,
                 error_type=error_type_name(error),
-                message=safe_message(error),
+                message=explained.text,
                 details=details,
                 **where,
             )
         )
+
+    def _announce_compile(self, graph: str, started: float) -> Callable[[], None]:
+        """A compile starts (on the compiling thread): say so if it takes a while."""
+        bucket = getattr(self.slots.local, "bucket", None)
+        return watch_compile(self.name, bucket or graph, started, self._compiling)
+
+    def _compiling(self, compiling: Compiling) -> None:
+        """A compile is still running after ~2 s (on the timer's thread)."""
+        self.record(
+            Event(
+                kind=EventKind.COMPILING,
+                time=time.time(),
+                bucket=compiling.graph,
+                message=f"still compiling after {compiling.elapsed():.0f} s: {compiling.graph}",
+                **_location_kwargs(self.location),
+            )
+        )
+
+    def describe_error(
+        self, error: BaseException
+    ) -> tuple[dict[str, Any], dict[str, Any], Explanation]:
+        """:meth:`error_where`, and the error in plain words (:mod:`._explain`); the raw
+        text goes in ``details["error_message"]``, its kind in ``details["error_kind"]``."""
+        where, details = self.error_where(error)
+        location = (
+            SourceLocation(where["file"], where.get("line"), where.get("function"))
+            if where
+            else None
+        )
+        explained = explain(error, location)
+        details["error_kind"] = explained.kind
+        details["error_message"] = safe_message(error)
+        return where, details, explained
 
     def error_where(self, error: BaseException) -> tuple[dict[str, Any], dict[str, Any]]:
         """The user's source location of an error, and where generated code raised it."""
@@ -526,6 +681,44 @@ class Controller:
         if graph.unchecked is not None and self.shadow_policy is not None:
             self.shadow.skip_graph(graph, graph.unchecked)
 
+    def _on_speed(self, graph: GraphRecord, decision: Decision) -> None:
+        """A graph's speed verdict (on the calling thread): say so; when every compiled
+        graph runs eager, roll the callable back (``slower``)."""
+        assert self.speed_policy is not None
+        limit = self.speed_policy.ratio
+        arm = "eager" if decision.eager else "compiled"
+        self.record(
+            Event(
+                kind=EventKind.SPEED_VERDICT,
+                time=time.time(),
+                bucket=graph.bucket if graph.bucket is not None else f"graph {graph.id}",
+                message=(
+                    f"graph {graph.id} ({graph.label}) runs "
+                    f"{arm}: compiled/eager median {decision.ratio:.3f}x "
+                    f"[{decision.low:.3f}, {decision.high:.3f}] over {decision.pairs} "
+                    f"paired live calls (slower_ratio={limit})"
+                ),
+                details={"graph": graph.id, "graph_inputs": graph.label, "code": graph.code}
+                | decision.to_dict(),
+                **_location_kwargs(self.location),
+            )
+        )
+        if not decision.eager:
+            return
+        measured = [(g, g.speed) for g in self.table if g.compiled and g.speed is not None]
+        if not all(speed.eager for _, speed in measured):
+            return
+        lost = "; ".join(
+            f"graph {g.id} ({g.label}) {speed.last.ratio:.3f}x over {speed.last.pairs} pairs"
+            for g, speed in measured
+            if speed.last is not None
+        )
+        self.trip(
+            Reason.SLOWER,
+            message=f"every compiled graph is slower than eager (slower_ratio={limit}): {lost}",
+            graph=graph,
+        )
+
     def _on_async_breach(
         self, graph: GraphRecord | None, message: str, max_abs: float, max_rel: float
     ) -> None:
@@ -534,6 +727,18 @@ class Controller:
     def _call_counts(self) -> tuple[int, int]:
         compiled, eager, _ = self.slots.totals()
         return compiled, eager
+
+
+def _speed_figures(graphs: list[GraphRecord], *, on: bool) -> dict[str, Any]:
+    """The speed verdict across graphs, for ``stats().extra["speed"]``."""
+    measured = [g.speed for g in graphs if g.speed is not None]
+    return {
+        "on": on,
+        "graphs_eager": sum(1 for s in measured if s.eager),
+        "probes": sum(s.probes for s in measured),
+        "timed": sum(s.timed for s in measured),
+        "rounds": sum(s.rounds for s in measured),
+    }
 
 
 def _location_kwargs(where: SourceLocation | None) -> dict[str, Any]:

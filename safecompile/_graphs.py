@@ -12,6 +12,7 @@ dynamic graph costs nothing.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import threading
@@ -32,6 +33,7 @@ from torch._dynamo.variables.nn_module import NNModuleVariable, UnspecializedNNM
 from ._policies import FOREVER, Shadow
 from ._slots import Slot
 from ._source import graph_breaks_of
+from ._speed import Decision, GraphSpeed, SpeedPolicy, serve
 
 __all__ = [
     "GraphHooks",
@@ -65,6 +67,8 @@ class GraphRecord:
     unchecked: str | None = None  # why this graph is never checked (random numbers...)
     mutates: bool = False  # seen to update its inputs or module state in place
     prep: bool = False  # a later graph of its calls is due: snapshot state at this one
+    speed_at: int = FOREVER  # from this call on, runs ask the speed verdict (_speed.py)
+    speed: GraphSpeed | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """The record for ``report()``: counters and labels only, never values."""
@@ -81,14 +85,16 @@ class GraphRecord:
             "graph_breaks": len(self.breaks),
             "unchecked": self.unchecked,
             "mutates_state": self.mutates,
+            "speed": self.speed.to_dict() if self.speed is not None else None,
         }
 
 
 class GraphTable:
     """Every graph of one guarded callable, in compile order (bounded by the graphs)."""
 
-    def __init__(self, shadow: Shadow | None) -> None:
+    def __init__(self, shadow: Shadow | None, speed: SpeedPolicy | None = None) -> None:
         self._shadow = shadow
+        self._speed = speed
         self._lock = threading.Lock()
         self._records: list[GraphRecord] = []
         self._per_code: dict[str, int] = {}
@@ -108,6 +114,9 @@ class GraphTable:
             unchecked=unchecked,
         )
         record.countdown = self.countdown(record)
+        if self._speed is not None and compiled:
+            record.speed = GraphSpeed(self._speed)
+            record.speed_at = record.speed.next_at
         with self._lock:
             self._records.append(record)
             if compiled:
@@ -144,6 +153,13 @@ class GraphTable:
                 record.canary_left = self._shadow.canary
                 record.countdown = self.countdown(record)
 
+    def restart_speed(self) -> None:
+        """After a recovery, every compiled graph is measured again from the start."""
+        for record in self:
+            if record.speed is not None:
+                record.speed.restart(record.calls)
+                record.speed_at = record.speed.next_at
+
     def __iter__(self) -> Iterator[GraphRecord]:
         with self._lock:
             return iter(list(self._records))
@@ -168,6 +184,8 @@ class GraphHooks:
         snapshot: Callable[[tuple[Any, ...], bool], Any],
         bucket_label: Callable[[], str | None],
         clock: Callable[[], float],
+        on_speed: Callable[[GraphRecord, Decision], None] | None = None,
+        announce: Callable[[str, float], Callable[[], None]] | None = None,
     ) -> None:
         self.table = table
         self.local = slots_local
@@ -178,6 +196,9 @@ class GraphHooks:
         self.snapshot = snapshot
         self.bucket_label = bucket_label
         self.clock = clock
+        self.on_speed = on_speed
+        # (graph inputs as text, perf_counter at start) -> what to call when it ends
+        self.announce = announce
 
 
 class GuardBackend:
@@ -186,21 +207,24 @@ class GuardBackend:
     def __init__(self, compiler: CompilerFn, hooks: GraphHooks, label: str) -> None:
         self._compiler = compiler
         self._hooks = hooks
-        self._made: dict[tuple[Any, ...], tuple[GraphRecord, Callable[..., Any]]] = {}
+        self._made: dict[tuple[Any, ...], tuple[GraphRecord, Callable[..., Any], Any]] = {}
         self.__name__ = f"safecompile[{label}]"
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         hooks = self._hooks
         started = trace_started() or time.perf_counter()
         hooks.on_compile_start()
+        ended: Callable[[], None] | None = None
         try:
+            if hooks.announce is not None:  # a slow compile says so (see _progress)
+                ended = hooks.announce(describe_inputs(gm), started)
             code = _code_name()
             twin = _twin_key(code, gm, example_inputs)
             made = self._made.get(twin)
             if made is not None:
                 # Threads racing on one new input signature each made dynamo trace it;
                 # torch does not de-duplicate: the first compile serves them all.
-                return _instrument(made[0], made[1], hooks)
+                return _instrument(*made, hooks)
             compiled = hooks.table.compiled_for(code) < hooks.limit
             if compiled:
                 # Compile the backward graph now, not lazily at .backward(): a failure
@@ -231,27 +255,63 @@ class GuardBackend:
             record.compile_s = time.perf_counter() - started
             record.breaks = graph_breaks_of(gm, include_resumed=True)
             record.mutates = mutates_in_place(gm)
-            self._made[twin] = (record, inner)
+            # The graph's traced code, run eagerly: the eager arm of the speed verdict.
+            eager = _EagerArm(gm.forward, example_inputs)
+            self._made[twin] = (record, inner, eager)
             hooks.on_graph(record, gm)
         finally:
+            if ended is not None:
+                ended()
             hooks.on_compile_end()
-        return _instrument(record, inner, hooks)
+        return _instrument(record, inner, eager, hooks)
+
+
+class _EagerArm:
+    """A graph's traced code run eagerly, and how to wait for its device work."""
+
+    __slots__ = ("forward", "sync")
+
+    def __init__(self, forward: Callable[..., Any], example_inputs: list[Any]) -> None:
+        self.forward = forward
+        cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
+        self.sync: Callable[[], None] | None = torch.cuda.synchronize if cuda else None
 
 
 def _instrument(
-    record: GraphRecord, inner: Callable[..., Any], hooks: GraphHooks
+    record: GraphRecord, inner: Callable[..., Any], eager: _EagerArm, hooks: GraphHooks
 ) -> Callable[..., Any]:
-    """The compiled graph as torch will run it: first note the run in the caller's slot."""
+    """The compiled graph as torch will run it: first note the run in the caller's slot.
+
+    From ``record.speed_at`` on, the speed verdict decides (one integer compare until
+    then): it may time this run, or serve it with the graph's traced code run eagerly.
+    """
     local = hooks.local
     snapshot = hooks.snapshot
     clock = hooks.clock
+    on_speed = hooks.on_speed
+    forward = eager.forward
+    sync = eager.sync
+
+    def served_eager() -> None:
+        slot: Slot = local.slot
+        if slot.due is None:
+            slot.due = []  # not the hot path's count: finish() counts the call as eager
+        local.speed_eager = True
+
+    def on_verdict(decision: Decision) -> None:
+        if on_speed is not None:
+            with contextlib.suppress(Exception):  # reporting never breaks a call
+                on_speed(record, decision)
+
+    speed = record.speed
 
     def run(*args: Any) -> Any:
         try:
             slot: Slot = local.slot
         except AttributeError:  # not called through the guard (torch internals): just run
             return inner(*args)
-        record.calls += 1
+        n = record.calls + 1
+        record.calls = n
         due = record.countdown <= 0 or slot.force
         if slot.first is None:
             slot.first = record
@@ -267,7 +327,23 @@ def _instrument(
                 slot.due.append(record)
         else:
             record.countdown -= 1
-        return inner(*args)
+        if n < record.speed_at or speed is None:
+            return inner(*args)
+        try:
+            return serve(
+                speed,
+                n,
+                due,
+                inner,
+                forward,
+                args,
+                clock=clock,
+                sync=sync,
+                on_eager=served_eager,
+                on_verdict=on_verdict,
+            )
+        finally:
+            record.speed_at = speed.next_at
 
     run.__name__ = f"safecompile_graph_{record.id}"
     return run

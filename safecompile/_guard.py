@@ -12,11 +12,14 @@ from typing import Any, Protocol, TypeVar, overload, runtime_checkable
 import torch
 
 from ._backend import backend_name, build_compiler, validate_compile_options
-from ._buckets import Bucketer
+from ._buckets import Bucketer, Strategy, resolve_strategy
 from ._controller import Clock, CompileOptions, Controller, Sink
 from ._errors import ConfigError
+from ._fleetswitch import watch as watch_disable_source
 from ._paths import entrypoint, start_background
 from ._policies import Buckets, Rollback, Shadow, Warmup
+from ._ranks import check_group
+from ._remote import activate as activate_remote_cache
 from ._telemetry import Telemetry
 
 __all__ = ["Guarded", "safe_compile"]
@@ -108,6 +111,7 @@ def safe_compile(
     shadow: Shadow | None = _DEFAULT_SHADOW,
     rollback: Rollback = _DEFAULT_ROLLBACK,
     rollout: float = 1.0,
+    group: Any = None,
     tracer_provider: Any = None,
     meter_provider: Any = None,
     clock: Clock = time.perf_counter,
@@ -123,10 +127,12 @@ def safe_compile(
     persisted verdicts). ``buckets`` pads variable dims to bounded sizes; ``warmup``
     compiles before traffic; ``shadow`` compares compiled outputs with eager (``None``:
     off); ``rollback`` says when to leave the compiled path and when to retry;
-    ``rollout`` routes that share of calls to the compiled path; ``tracer_provider`` /
-    ``meter_provider`` default to OpenTelemetry's globals; ``clock`` (monotonic
-    seconds) is injected by tests. Bad options raise :class:`ConfigError` now, not on
-    the first call.
+    ``rollout`` routes that share of calls to the compiled path; ``group`` (a
+    ``torch.distributed`` ProcessGroup, or ``True`` for the default group, resolved at
+    the first safe point) makes every rank switch together (docs/fleet.md);
+    ``tracer_provider`` / ``meter_provider`` default to OpenTelemetry's globals;
+    ``clock`` (monotonic seconds) is injected by tests. Bad options raise
+    :class:`ConfigError` now, not on the first call.
     """
     given: dict[str, Any] = {
         "backend": backend,
@@ -139,6 +145,7 @@ def safe_compile(
         "warmup": warmup,
         "shadow": shadow,
         "rollout": rollout,
+        "group": group,
         "tracer_provider": tracer_provider,
         "meter_provider": meter_provider,
         "clock": clock,
@@ -162,6 +169,7 @@ class _Config:
             "clock",
             "dynamic",
             "fullgraph",
+            "group",
             "meter_provider",
             "mode",
             "name",
@@ -181,11 +189,13 @@ class _Config:
     fullgraph: bool
     name: str | None
     buckets: Buckets | None
+    bucket_strategy: Strategy | None = None  # Buckets(strategy=...) resolved ("auto")
     warmup: Warmup | None
     shadow: Shadow | None
     rollback: Rollback
     rollout: float
     clock: Clock
+    group: Any
     tracer_provider: Any
     meter_provider: Any
 
@@ -237,6 +247,8 @@ class _Config:
             raise ConfigError("safe_compile(clock=...) must be a callable returning seconds")
         if self.buckets is not None:
             self._fit_buckets(given)
+        self.group = given.get("group")
+        check_group(self.group)
         self.tracer_provider = given.get("tracer_provider")
         self.meter_provider = given.get("meter_provider")
         return self
@@ -245,16 +257,25 @@ class _Config:
         """Make torch.compile's settings agree with the buckets."""
         buckets = self.buckets
         assert buckets is not None
-        graphs = len(buckets.sizes)
+        self.bucket_strategy = resolve_strategy(
+            buckets,
+            backend=backend_name(self.backend),
+            mode=self.mode,
+            options=self.options,
+            dynamic=self.dynamic,
+        )
+        graphs = buckets.bucket_count  # the product of each axis's number of sizes
         if "rollback" not in given:
-            self.rollback = Rollback(max_recompiles=max(self.rollback.max_recompiles, graphs))
+            most = buckets.max_graphs(self.bucket_strategy)
+            self.rollback = Rollback(max_recompiles=max(self.rollback.max_recompiles, most))
         elif self.rollback.max_recompiles < graphs:
             raise ConfigError(
                 f"safe_compile(rollback=Rollback(max_recompiles={self.rollback.max_recompiles}))"
-                f" is below the number of bucket sizes ({graphs}): buckets past the limit "
-                "would never compile; raise max_recompiles or use fewer sizes"
+                f" is below the number of bucket sizes ({graphs}, every combination of "
+                "sizes): buckets past the limit would never compile; raise max_recompiles "
+                "or use fewer sizes"
             )
-        if buckets.strategy == "pad":
+        if self.bucket_strategy == "pad":
             if self.dynamic is None:
                 # static padded shapes: automatic dynamic would fold the buckets into one
                 # dynamic graph, and pay for the padding anyway
@@ -333,6 +354,8 @@ def _controller(
     *,
     module: torch.nn.Module | None,
 ) -> Controller:
+    activate_remote_cache()  # SAFECOMPILE_REMOTE_CACHE: torch's remote caches, fleet verdicts
+    watch_disable_source()  # SAFECOMPILE_DISABLE_SOURCE: the fleet kill switch
     options = CompileOptions(
         backend=config.backend,
         backend_label=backend_name(config.backend),
@@ -351,7 +374,11 @@ def _controller(
         meter_provider=config.meter_provider,
     )
     clock: Clock = config.clock
-    bucketer = Bucketer(config.buckets, fn) if config.buckets is not None else None
+    bucketer = (
+        Bucketer(config.buckets, fn, strategy=config.bucket_strategy)
+        if config.buckets is not None
+        else None
+    )
     return Controller(
         name=name,
         fn=fn,
@@ -363,6 +390,7 @@ def _controller(
         clock=clock,
         module=module,
         bucketer=bucketer,
+        group=config.group,
     )
 
 
@@ -378,6 +406,6 @@ def _start_warmup(controller: Controller, config: _Config) -> None:
                 controller.warmup(*example)
 
     if warmup.background:
-        start_background(controller, run)
+        start_background(controller, run, nice=warmup.nice)
     else:
         run()

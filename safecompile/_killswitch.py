@@ -14,7 +14,16 @@ import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-__all__ = ["ENV_VAR", "Rule", "disable", "enable", "env_token", "is_disabled", "parse"]
+__all__ = [
+    "ENV_VAR",
+    "Rule",
+    "disable",
+    "enable",
+    "env_token",
+    "is_disabled",
+    "parse",
+    "set_watched",
+]
 
 ENV_VAR = "SAFECOMPILE_DISABLE"
 
@@ -64,12 +73,18 @@ def parse(value: str | bytes | None) -> Rule:
 
 
 class _CodeSwitch:
-    """What ``disable()`` / ``enable()`` set from code; a generation number marks changes."""
+    """What ``disable()`` / ``enable()`` set from code, and what the fleet's watched source
+    says (``watched``, see :mod:`._fleetswitch`); a generation number marks changes."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.rule = NOTHING
+        self.watched = NOTHING
         self.generation = 0
+
+    def matches(self, name: str) -> bool:
+        """Whether code or the watched source disables the callable named ``name``."""
+        return self.rule.matches(name) or self.watched.matches(name)
 
 
 SWITCH = _CodeSwitch()
@@ -103,8 +118,20 @@ def enable() -> None:
         SWITCH.generation += 1
 
 
+def set_watched(rule: Rule) -> bool:
+    """Install what the fleet's watched source disables; ``True`` when that changed (the
+    generation moves, so running callables re-read the switch at their next call)."""
+    with SWITCH.lock:
+        if rule == SWITCH.watched:
+            return False
+        SWITCH.watched = rule
+        SWITCH.generation += 1
+        return True
+
+
 def is_disabled(name: str) -> bool:
-    """Whether the callable named ``name`` runs eager now (environment or code)."""
+    """Whether the callable named ``name`` runs eager now (environment, code or the
+    watched source)."""
     token = env_token()
     env_rule = parse(token if isinstance(token, str | bytes) else None)
-    return env_rule.matches(name) or SWITCH.rule.matches(name)
+    return env_rule.matches(name) or SWITCH.matches(name)

@@ -5,21 +5,34 @@ Decided per event, never at import: when the application has configured structlo
 event goes to ``structlog.get_logger("safecompile")`` and through the application's
 processors. Otherwise it goes to the stdlib logger ``"safecompile"`` (which has a
 ``NullHandler``, so nothing reaches stdout or stderr unless the application adds a handler),
-with the event's fields as the record's ``extra`` attributes.
+with the event's fields as the record's ``extra`` attributes and, as the record's message,
+one line a person reads (:func:`readable_line`, at most 200 characters): the event, the
+function, its figures, what happened in plain words and where.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import structlog
 from opentelemetry import trace
 
-__all__ = ["LOGGER_NAME", "current_trace_ids", "log_event", "report_internal_error"]
+__all__ = [
+    "LINE_LIMIT",
+    "LOGGER_NAME",
+    "current_trace_ids",
+    "log_event",
+    "readable_line",
+    "report_internal_error",
+]
 
 LOGGER_NAME = "safecompile"
+#: Longest stdlib log message (:func:`readable_line`).
+LINE_LIMIT = 200
 
 _stdlib_logger = logging.getLogger(LOGGER_NAME)
 if not any(isinstance(h, logging.NullHandler) for h in _stdlib_logger.handlers):
@@ -33,25 +46,7 @@ _RESERVED = frozenset(
 )
 
 _lock = threading.Lock()
-_stdlib_bound: Any = None
 _reported: set[tuple[str, str]] = set()
-
-
-def _stdlib_structlog() -> Any:
-    global _stdlib_bound
-    if _stdlib_bound is None:
-        with _lock:
-            if _stdlib_bound is None:
-                _stdlib_bound = structlog.wrap_logger(
-                    _stdlib_logger,
-                    processors=[
-                        structlog.stdlib.filter_by_level,
-                        structlog.stdlib.render_to_log_kwargs,
-                    ],
-                    wrapper_class=structlog.stdlib.BoundLogger,
-                    cache_logger_on_first_use=True,
-                )
-    return _stdlib_bound
 
 
 def current_trace_ids(span: trace.Span | None = None) -> dict[str, str]:
@@ -81,11 +76,12 @@ def log_event(
     try:
         payload = {_safe_key(k): v for k, v in fields.items()}
         payload.update(current_trace_ids(span))
-        logger: Any
-        if structlog.is_configured():
-            logger = structlog.get_logger(LOGGER_NAME)
-        else:
-            logger = _stdlib_structlog()
+        if not structlog.is_configured():
+            if _stdlib_logger.isEnabledFor(level):
+                payload[_safe_key("event")] = event
+                _stdlib_logger.log(level, readable_line(event, fields), extra=payload)
+            return
+        logger: Any = structlog.get_logger(LOGGER_NAME)
         if level >= logging.ERROR:
             logger.error(event, **payload)
         elif level >= logging.WARNING:
@@ -96,6 +92,50 @@ def log_event(
             logger.debug(event, **payload)
     except Exception as exc:  # logging must never break a call
         report_internal_error("log", exc)
+
+
+# Reasons a kind of event says by itself.
+_IMPLIED_REASONS = {"compile_failed": ("compile_error",), "recompile_limit": ("recompile_limit",)}
+
+
+def _figure(value: object) -> str | None:
+    if isinstance(value, float):
+        return f"{value:.3g}"
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def readable_line(event: str, fields: Mapping[str, Any], limit: int = LINE_LIMIT) -> str:
+    """One line a person reads: ``kind function [figures]: description (at file:line)``.
+
+    ``kind`` is the event without its ``safecompile.`` prefix (the logger's name says
+    it). No newline, at most ``limit`` characters; figures rounded (``0.459 s``). The
+    raw error text (``error_message``) is never part of it: it stays a field of its own.
+    """
+    kind = event.removeprefix(f"{LOGGER_NAME}.")
+    figures = []
+    reason = fields.get("reason")
+    if isinstance(reason, str) and reason not in _IMPLIED_REASONS.get(kind, (kind,)):
+        figures.append(reason)
+    labels = (
+        ("duration_s", "{} s"),
+        ("max_rel_diff", "max_rel={}"),
+        ("retry_in_s", "retry in {} s"),
+    )
+    for key, label in labels:
+        text = _figure(fields.get(key))
+        if text is not None:
+            figures.append(label.format(text))
+    head = f"{kind} {fields.get('function', '?')}"
+    if figures:
+        head += f" [{', '.join(figures)}]"
+    description = str(fields.get("description") or fields.get("error_type") or "")
+    file, line = fields.get("code_file"), fields.get("code_line")
+    if isinstance(file, str) and file:
+        place = os.path.basename(file) + (f":{line}" if isinstance(line, int) else "")
+        if place not in description:
+            description = f"{description} (at {place})" if description else f"at {place}"
+    text = " ".join((f"{head}: {description}" if description else head).split())
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
 
 
 def report_internal_error(where: str, exc: BaseException) -> None:

@@ -32,6 +32,7 @@ class Reason(str, enum.Enum):
     RECOMPILE_LIMIT = "recompile_limit"
     SLOWER = "slower"
     MANUAL = "manual"
+    PEER = "peer"  # another rank of the process group tripped (or stopped answering)
 
     def __str__(self) -> str:
         return self.value
@@ -42,6 +43,7 @@ class EventKind(str, enum.Enum):
 
     COMPILED = "compiled"  # a shape or bucket compiled
     COMPILE_FAILED = "compile_failed"  # compiling a shape or bucket raised
+    COMPILING = "compiling"  # a compile still running after ~2 s (said once per compile)
     ROLLBACK = "rollback"  # the callable tripped to eager
     RECOMPILE_LIMIT = "recompile_limit"  # a new shape ran eager: too many graphs
     RETRY = "retry"  # a half-open trial of the compiled path after retry_after
@@ -53,6 +55,7 @@ class EventKind(str, enum.Enum):
     ENABLED = "enabled"  # the kill switch turned it back on
     RESET = "reset"
     WARMUP_FAILED = "warmup_failed"  # a warmup example raised in eager too
+    SPEED_VERDICT = "speed_verdict"  # a graph's speed verdict: it runs compiled or eager
 
     def __str__(self) -> str:
         return self.value

@@ -16,6 +16,7 @@ return. Everything else is a slow path:
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -45,7 +46,14 @@ _NONE: Any = None  # typed Any: the call below changes what the slot holds
 
 
 def entrypoint(c: Controller) -> Callable[..., Any]:
-    """The guarded function (see the module doc)."""
+    """The guarded function (see the module doc). With a process group, every call is
+    counted for the ranks' safe points (:mod:`._ranks`); without one, nothing is added."""
+    if c.ranks is not None:
+        return c.ranks.counting(_entrypoint(c), c.safe_point)
+    return _entrypoint(c)
+
+
+def _entrypoint(c: Controller) -> Callable[..., Any]:
     if c.buckets is not None:
         return _bucketed_entrypoint(c)
     gate = c.gate
@@ -173,6 +181,7 @@ def finish(
     """The compiled call returned, and something needs more than counting."""
     first, due, snapshot, new = slot.first, slot.due, slot.snapshot, slot.new
     slot.end()
+    served_eager = _took_eager_arm(c)
     if first is None or not first.compiled:
         # No compiled graph served: dynamo ran the frame eagerly, or the graph is past
         # the recompile limit and its traced code ran eagerly.
@@ -206,8 +215,25 @@ def finish(
                     slot.eager += 1
                 return verdict.eager_out
     if not warmup:
-        slot.compiled += 1
+        _count(slot, eager=served_eager)  # eager: the speed verdict ran a graph eagerly
     return out
+
+
+def _count(slot: Slot, *, eager: bool) -> None:
+    if eager:
+        slot.eager += 1
+    else:
+        slot.compiled += 1
+
+
+def _took_eager_arm(c: Controller) -> bool:
+    """Whether a graph of this call ran its eager arm (see ``_graphs._instrument``);
+    clears the note for the next call."""
+    local = c.slots.local
+    if getattr(local, "speed_eager", False):
+        local.speed_eager = False
+        return True
+    return False
 
 
 def recover(
@@ -223,6 +249,7 @@ def recover(
     """The compiled path raised: answer with eager's result, or eager's own error."""
     slot = c.slots.get()
     slot.end()
+    _took_eager_arm(c)
     if entry is not None and _bucket_fault(c, failure, entry):
         return eager(c, args, kwargs, warmup=warmup)
     user_error: Exception | None = None
@@ -251,7 +278,11 @@ def _bucket_fault(c: Controller, failure: Exception, entry: BucketEntry) -> bool
         reject_bucket(c, entry, f"padding or cutting back failed: {failure}")
         return True
     assert c.buckets is not None
-    first_range_compile = not c.buckets.pads and entry.status is BucketStatus.NEW
+    # A range's first compile failing while other graphs compiled fine is the range's
+    # fault; with nothing compiled yet it is the compiler's: trip, as without buckets.
+    first_range_compile = (
+        not c.buckets.pads and entry.status is BucketStatus.NEW and any(g.compiled for g in c.table)
+    )
     if _constraint_violation(failure) or (
         first_range_compile and isinstance(failure, _COMPILE_ERRORS)
     ):
@@ -319,7 +350,8 @@ def _admit(
     if c.gate.disabled:
         return None
     if c.breaker.tripped:
-        return _claim_trial(c) if not warmup else None
+        # with a process group, trials are agreed at safe points, never taken alone
+        return _claim_trial(c) if not warmup and c.ranks is None else None
     if not warmup and (
         (c.rollout < 1.0 and not c.pick_compiled())
         or c.warming_up
@@ -330,6 +362,8 @@ def _admit(
     if known is not None:
         c.trip(Reason.COMPILE_ERROR, message=known)
         return None
+    if len(c.table) == 0 and c.persisted.active:
+        c.persisted.load_artifacts(args, kwargs)  # once: torch's artifacts, if needed
     return "compiled"
 
 
@@ -351,6 +385,7 @@ def _end_trial(c: Controller, *, served: bool) -> None:
         return
     if c.breaker.end_trial():
         c.table.restart_canary()
+        c.table.restart_speed()
         c.update_gate()
         c.record(
             Event(kind=EventKind.RECOVERED, time=time.time(), message="compiled path serves again")
@@ -379,11 +414,14 @@ def _call_compiled(
             plan = None  # unbucketable: run it unpadded
         if plan is not None:
             entry = c.buckets.entry(plan)
+            if not entry.looked_up:  # what an earlier process learnt (_restart)
+                c.persisted.restore(entry, args, kwargs)
             if entry.status is BucketStatus.REJECTED:
                 return eager(c, args, kwargs, warmup=warmup)
     slot.begin()
     slot.force = force
     c.slots.local.bucket = entry.label if entry is not None else None
+    c.slots.local.speed_eager = False
     try:
         if plan is not None and entry is not None:
             return _call_bucket(c, slot, plan, entry, args, kwargs, warmup=warmup)
@@ -425,7 +463,11 @@ def _call_bucket(
         unmark(marked)
     if failure is not None:
         return recover(c, failure, args, kwargs, plan=plan, entry=entry, warmup=warmup)
-    if padded and entry.cuts is None:
+    if (
+        padded
+        and entry.cuts is None
+        and not c.persisted.reuse(c.buckets.bucketer, plan, entry, out)
+    ):
         return _verify_bucket(c, slot, plan, entry, out, args, kwargs, warmup=warmup)
     if padded:
         try:
@@ -434,7 +476,7 @@ def _call_bucket(
             reject_bucket(c, entry, f"outputs could not be cut back: {exc}")
             slot.end()
             return eager(c, args, kwargs, warmup=warmup)
-    if not c.buckets.pads:
+    if not padded:  # nothing padded in this key (or a dynamic range): nothing to verify
         entry.status = BucketStatus.READY
     if not warmup:
         entry.count(plan, padded=padded)
@@ -459,6 +501,7 @@ def _verify_bucket(
     bucketer = c.buckets.bucketer
     due, first = slot.due, slot.first
     slot.end()
+    served_eager = _took_eager_arm(c)  # the graph ran eagerly: padding is verified alone
     eager_out = c.fn(*args, **kwargs)
     try:
         if bucketer.policy.outputs is not None:
@@ -475,11 +518,13 @@ def _verify_bucket(
     for graph in due or ():
         c.table.checked(graph)
     if result.ok:
-        entry.cuts = cuts
-        entry.status = BucketStatus.READY
+        if not cuts.ambiguous:  # else right for this call only: a later call learns again
+            entry.cuts = cuts
+            entry.status = BucketStatus.READY
+            c.persisted.keep_verified(entry, cuts, c.name)
         if not warmup:
             entry.count(plan, padded=True)
-            slot.compiled += 1
+            _count(slot, eager=served_eager)
         return out
     # Padding's fault, or the compiler's? Eager on the padded inputs tells.
     with torch.no_grad():
@@ -527,6 +572,7 @@ def reject_bucket(
             return
         entry.status = BucketStatus.REJECTED
         entry.why = truncate(why, 300)
+    c.persisted.keep_rejected(entry, truncate(why, 300), c.name)
     c.record(
         Event(
             kind=EventKind.BUCKET_REJECTED,
@@ -543,8 +589,11 @@ def reject_bucket(
     )
 
 
-def start_background(c: Controller, run: Callable[[], None]) -> None:
+def start_background(c: Controller, run: Callable[[], None], *, nice: int | None = 19) -> None:
     """Run a warmup on a worker thread while eager serves (see ``Warmup(background=)``).
+
+    The worker lowers its own priority to ``nice`` first (``None`` or 0: unchanged), so
+    live calls keep the CPU; only that thread, and the processes it starts, are affected.
 
     inductor traces one helper module with ``torch.fx.symbolic_trace`` the first time it
     lowers a graph, which patches ``nn.Module.__call__`` for the whole process while it
@@ -557,6 +606,8 @@ def start_background(c: Controller, run: Callable[[], None]) -> None:
 
     def work() -> None:
         try:
+            if nice:
+                lower_priority(nice)
             run()
         except Exception as exc:
             c.note_warmup_error(exc)
@@ -564,6 +615,22 @@ def start_background(c: Controller, run: Callable[[], None]) -> None:
             c.background_warmup(pending=False)
 
     threading.Thread(target=work, name=f"safecompile-warmup:{c.name}", daemon=True).start()
+
+
+def lower_priority(nice: int) -> bool:
+    """Raise the calling thread's niceness to ``nice`` (Linux: per thread); ``False``
+    where the platform cannot. An unprivileged thread cannot lower it back, so callers
+    run it on a thread of their own."""
+    setpriority = getattr(os, "setpriority", None)
+    native_id = getattr(threading, "get_native_id", None)
+    if setpriority is None or native_id is None:  # pragma: no cover - not POSIX
+        return False
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, native_id())
+        setpriority(os.PRIO_PROCESS, native_id(), max(current, nice))
+    except OSError:  # pragma: no cover - a sandbox that forbids it
+        return False
+    return True
 
 
 def _close_symbolic_trace_window() -> None:

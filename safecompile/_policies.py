@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ._errors import ConfigError
+from ._frozen import FrozenMap
 
-__all__ = ["FOREVER", "Buckets", "Rollback", "Shadow", "Warmup", "pow2", "steps"]
+__all__ = ["FOREVER", "Axis", "Buckets", "Rollback", "Shadow", "Warmup", "pow2", "steps"]
 
 FOREVER = 1 << 62  # a countdown that never runs out
 
@@ -71,144 +72,21 @@ def steps(lo: int, hi: int, step: int) -> tuple[int, ...]:
 
 
 OutputDims = int | tuple[int, ...]
+AxisDims = Mapping[int, str]  # dim -> axis name: the named form of dims and outputs
+DimSpec = int | tuple[int, ...] | AxisDims
+OutputSpec = OutputDims | AxisDims | Mapping[str, OutputDims | AxisDims] | None
 
 
-def _normal_dims(value: object) -> tuple[int, ...] | None:
-    """``value`` as a tuple of distinct int dims, or ``None`` if it is not one."""
-    dims = (value,) if isinstance(value, int) and not isinstance(value, bool) else value
-    if (
-        not isinstance(dims, tuple)
-        or any(isinstance(d, bool) or not isinstance(d, int) for d in dims)
-        or len(set(dims)) != len(dims)
-    ):
-        return None
-    return dims
+@dataclass(frozen=True, slots=True)
+class Axis:
+    """One independent length that :class:`Buckets` pads, and its sizes.
 
-
-def _normal_outputs(
-    outputs: object,
-) -> tuple[int, ...] | dict[str, tuple[int, ...]] | None:
-    if outputs is None:
-        return None
-    if isinstance(outputs, Mapping):
-        normal: dict[str, tuple[int, ...]] = {}
-        for path, dims in outputs.items():
-            if not isinstance(path, str):
-                raise ConfigError(
-                    "Buckets(outputs=...) keys must be output paths as text ('' for the "
-                    f"output itself, '0', 'logits', '1.attn'), got {path!r}"
-                )
-            found = _normal_dims(dims)
-            if found is None:
-                raise ConfigError(
-                    "Buckets(outputs=...) values must be a dim (int) or a tuple of distinct "
-                    f"dims (() for none), got {path!r}: {dims!r}"
-                )
-            normal[path] = found
-        return normal
-    found = _normal_dims(outputs)
-    if not found:
-        raise ConfigError(
-            "Buckets(outputs=...) must be None (learn the cut per bucket), a dim or tuple of "
-            "dims to cut in every output tensor, or a mapping of output path to dims, "
-            f"got {outputs!r}"
-        )
-    return found
-
-
-@dataclass(frozen=True, kw_only=True)
-class Buckets:
-    """Pad variable dims up to a bounded set of sizes, so recompiles stay bounded.
-
-    ``dims`` maps an argument name to the dim (or dims) to pad; every bucketed dim of
-    one call must have the same length (``x`` and ``mask``). ``sizes`` is an
-    increasing sequence of lengths; ``pad_value`` is one number or a mapping per
-    argument; an input longer than the largest size runs eager (``oversize="eager"``)
-    or compiles its own shape (``"compile"``).
-
-    ``strategy="pad"`` (default) pads to static shapes, one graph per size (what CUDA
-    graphs and ``mode="reduce-overhead"`` need). ``strategy="dynamic"`` pads nothing:
-    each range between two sizes gets one dynamic graph bounded by
-    ``torch._dynamo.mark_dynamic(min=..., max=...)``, so no padded work is done.
-
-    ``outputs`` says which output dims are cut back to the original length. ``None``
-    (default) learns it per bucket by comparing the padded output with unpadded eager's:
-    a dim is cut where padding changed it from the length to the bucket size. An int
-    or tuple cuts those dims of every tensor in the output; a mapping names output
-    paths (``""`` the output itself, ``"0"``, ``"logits"``, ``"1.attn"``) and their
-    dims (``()``: never cut), the others are not cut. A declaration is checked against
-    what padding actually changed, and un-padding checks every cut dim, so a hidden
-    size that equals the bucket, or a square attention map, is never cut silently.
+    ``name`` is ``None`` in the one-length form (``dims={"x": 1}``): its bucket labels
+    are the bare size (``"64"``); a named axis labels ``"seq=64"``.
     """
 
-    dims: Mapping[str, int | tuple[int, ...]]
+    name: str | None
     sizes: tuple[int, ...]
-    pad_value: float | Mapping[str, float] = 0
-    oversize: Literal["eager", "compile"] = "eager"
-    outputs: OutputDims | Mapping[str, OutputDims] | None = None
-    strategy: Literal["pad", "dynamic"] = "pad"
-
-    def __post_init__(self) -> None:
-        owner = "Buckets"
-        if not isinstance(self.dims, Mapping) or not self.dims:
-            raise ConfigError(
-                f"{owner}(dims=...) must be a non-empty mapping of argument name to dim, "
-                f"got {self.dims!r}"
-            )
-        normal: dict[str, tuple[int, ...]] = {}
-        for arg, dim in self.dims.items():
-            if not isinstance(arg, str) or not arg.isidentifier():
-                raise ConfigError(f"{owner}(dims=...) keys must be argument names, got {arg!r}")
-            dims = (dim,) if isinstance(dim, int) and not isinstance(dim, bool) else dim
-            if (
-                not isinstance(dims, tuple)
-                or not dims
-                or any(isinstance(d, bool) or not isinstance(d, int) for d in dims)
-                or len(set(dims)) != len(dims)
-            ):
-                raise ConfigError(
-                    f"{owner}(dims=...) values must be a dim (int) or a tuple of distinct "
-                    f"dims, got {arg!r}: {dim!r}"
-                )
-            normal[arg] = dims
-        object.__setattr__(self, "dims", normal)
-
-        sizes = tuple(self.sizes) if isinstance(self.sizes, Sequence) else self.sizes
-        if (
-            not isinstance(sizes, tuple)
-            or not sizes
-            or any(isinstance(s, bool) or not isinstance(s, int) or s < 1 for s in sizes)
-            or any(sizes[i] >= sizes[i + 1] for i in range(len(sizes) - 1))
-        ):
-            raise ConfigError(
-                f"{owner}(sizes=...) must be a non-empty, strictly increasing sequence of "
-                f"positive ints (pow2(lo, hi) makes one), got {self.sizes!r}"
-            )
-        object.__setattr__(self, "sizes", sizes)
-
-        pads = self.pad_value if isinstance(self.pad_value, Mapping) else {"*": self.pad_value}
-        for arg, value in pads.items():
-            if arg != "*" and arg not in normal:
-                raise ConfigError(
-                    f"{owner}(pad_value=...) names {arg!r}, which is not in dims "
-                    f"({', '.join(sorted(normal))})"
-                )
-            if isinstance(value, bool) or not isinstance(value, int | float):
-                raise ConfigError(
-                    f"{owner}(pad_value=...) must be a number or a mapping of argument name "
-                    f"to number, got {value!r}"
-                )
-        if isinstance(self.pad_value, Mapping):
-            object.__setattr__(self, "pad_value", dict(self.pad_value))
-        _check_choice(owner, "strategy", self.strategy, ("pad", "dynamic"))
-        _check_choice(owner, "oversize", self.oversize, ("eager", "compile"))
-        object.__setattr__(self, "outputs", _normal_outputs(self.outputs))
-
-    def pad_for(self, arg: str) -> float:
-        """The pad value for one argument."""
-        if isinstance(self.pad_value, Mapping):
-            return self.pad_value.get(arg, 0)
-        return self.pad_value
 
     def bucket_for(self, length: int) -> int | None:
         """The smallest size that holds ``length``, or ``None`` when it is too long."""
@@ -216,6 +94,330 @@ class Buckets:
             if size >= length:
                 return size
         return None
+
+    def label(self, size: int) -> str:
+        """``"64"`` for the unnamed axis, ``"seq=64"`` for a named one."""
+        return str(size) if self.name is None else f"{self.name}={size}"
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _normal_dims(value: object) -> tuple[int, ...] | None:
+    """``value`` as a tuple of distinct int dims, or ``None`` if it is not one."""
+    dims = (value,) if _is_int(value) else value
+    if (
+        not isinstance(dims, tuple)
+        or not all(_is_int(d) for d in dims)
+        or len(set(dims)) != len(dims)
+    ):
+        return None
+    return dims
+
+
+def _axis_dims(
+    value: Mapping[Any, Any], names: Sequence[str | None] | None
+) -> FrozenMap[int, str] | None:
+    """A ``{dim: axis name}`` mapping frozen, or ``None`` if it is not one (``names``:
+    the axis names it may use; ``None``: any identifier)."""
+    for dim, axis in value.items():
+        if not _is_int(dim) or not isinstance(axis, str) or not axis.isidentifier():
+            return None
+        if names is not None and axis not in names:
+            return None
+    return FrozenMap(value)
+
+
+def _sizes_or_none(value: object) -> tuple[int, ...] | None:
+    if isinstance(value, str | bytes | Mapping) or not isinstance(value, Sequence):
+        return None
+    sizes = tuple(value)
+    if (
+        not sizes
+        or any(not _is_int(s) or s < 1 for s in sizes)
+        or any(sizes[i] >= sizes[i + 1] for i in range(len(sizes) - 1))
+    ):
+        return None
+    return sizes
+
+
+def _named(names: Sequence[str | None]) -> str:
+    return ", ".join(repr(n) for n in names)
+
+
+def _normal_output_dims(
+    path: str | None, dims: object, names: tuple[str | None, ...]
+) -> tuple[int, ...] | FrozenMap[int, str]:
+    """One entry of ``outputs``: plain dims (one axis only) or ``{dim: axis}``."""
+    where = "Buckets(outputs=...)" + (f" for {path!r}" if path is not None else "")
+    if isinstance(dims, Mapping):
+        if names == (None,):
+            raise ConfigError(
+                f"{where} names axes ({dims!r}), but dims names none: give the dims to cut "
+                "as an int or a tuple, or name the axes in dims too"
+            )
+        found = _axis_dims(dims, names)
+        if found is None:
+            raise ConfigError(
+                f"{where} must map each output dim (int) to one of the axes {_named(names)}, "
+                f"got {dims!r}"
+            )
+        return found
+    plain = _normal_dims(dims)
+    if plain is None:
+        raise ConfigError(
+            f"{where} values must be a dim (int) or a tuple of distinct dims (() for none), "
+            f"got {dims!r}"
+        )
+    if plain and len(names) > 1:
+        raise ConfigError(
+            f"{where} must say which axis each cut dim belongs to ({_named(names)}): "
+            f"write {{dim: axis}}, e.g. {{1: {names[-1]!r}}}, got {dims!r}"
+        )
+    return plain
+
+
+def _normal_outputs(outputs: object, names: tuple[str | None, ...]) -> Any:
+    """``outputs`` frozen: ``None``, dims, ``{dim: axis}``, or ``{path: either}``."""
+    if outputs is None:
+        return None
+    if isinstance(outputs, Mapping) and outputs and all(_is_int(k) for k in outputs):
+        return _normal_output_dims(None, outputs, names)  # {dim: axis} for every output
+    if isinstance(outputs, Mapping):
+        normal: dict[str, tuple[int, ...] | FrozenMap[int, str]] = {}
+        for path, dims in outputs.items():
+            if not isinstance(path, str):
+                raise ConfigError(
+                    "Buckets(outputs=...) keys must be output paths as text ('' for the "
+                    f"output itself, '0', 'logits', '1.attn'), got {path!r}"
+                )
+            normal[path] = _normal_output_dims(path, dims, names)
+        return FrozenMap(normal)
+    found = _normal_dims(outputs)
+    if not found:
+        raise ConfigError(
+            "Buckets(outputs=...) must be None (learn the cut per bucket), a dim or tuple of "
+            "dims to cut in every output tensor, a {dim: axis} mapping, or a mapping of output "
+            f"path to either, got {outputs!r}"
+        )
+    return _normal_output_dims(None, found, names)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Buckets:
+    """Pad variable dims up to a bounded set of sizes, so recompiles stay bounded.
+
+    **One length** (the short form): ``dims`` maps an argument name to the dim (or
+    tuple of dims) to pad, and every bucketed dim of one call shares one length
+    (``x`` and ``mask`` below); ``sizes`` is an increasing sequence of lengths:
+
+        Buckets(dims={"x": 1, "mask": 1}, sizes=pow2(16, 2048))
+
+    **Several independent lengths** (batch and sequence): name an axis per dim, and
+    give each axis its sizes. Graphs stay bounded by the product of the counts (7 x 6
+    here); labels read ``"batch=8,seq=64"``:
+
+        Buckets(
+            dims={"x": {0: "batch", 1: "seq"}, "mask": {0: "batch", 1: "seq"}},
+            sizes={"batch": pow2(1, 64), "seq": pow2(16, 512)},
+        )
+
+    A dim may appear under one axis only; one axis may span several dims (a square
+    ``bias`` as ``{1: "seq", 2: "seq"}``). With a single named axis, ``sizes`` may be
+    one sequence. ``pad_value`` is one number or a mapping per argument; an input
+    longer than the largest size of any axis runs eager (``oversize="eager"``) or
+    compiles its own shape (``"compile"``).
+
+    ``strategy``: ``"pad"`` pads to static shapes, one graph per combination of sizes
+    (what CUDA graphs need). ``"dynamic"`` pads nothing: each range between two sizes
+    (per axis) gets one dynamic graph bounded by ``torch._dynamo.mark_dynamic(min=...,
+    max=...)``; lengths 0 and 1 below an axis's first size, which torch always
+    specialises, get static graphs of their own (:meth:`max_graphs`; warmup compiles
+    length 1). ``"auto"`` (default) picks ``"pad"`` where the compiled code needs
+    static shapes — ``mode="reduce-overhead"`` or ``"max-autotune"`` (CUDA graphs),
+    ``options={"triton.cudagraphs": True}``, the ``"cudagraphs"`` backend, or
+    ``dynamic=False`` — and ``"dynamic"`` otherwise (on CPU, padded pow2 buckets ran at
+    0.65x and dynamic ranges at 1.00x the speed of ``torch.compile``'s default). The resolved
+    strategy is in ``report()["bucketing"]``.
+
+    ``outputs`` says which output dims are cut back to the original length. ``None``
+    (default) learns it per bucket by comparing the padded output with unpadded eager's:
+    a dim is cut where padding changed it from the length to the bucket size. An int
+    or tuple cuts those dims of every tensor in the output (one axis only); with named
+    axes, ``{dim: axis}`` says which axis each cut dim follows (``{0: "batch", 1:
+    "seq"}``). A mapping names output paths (``""`` the output itself, ``"0"``,
+    ``"logits"``, ``"1.attn"``) and their dims in either form (``()``: never cut); the
+    others are not cut. A declaration is checked against what padding actually
+    changed, and un-padding checks every cut dim, so a hidden size that equals the
+    bucket, or a square attention map, is never cut silently.
+
+    Every value is kept frozen and hashable (mappings become read-only copies):
+    changing the dict you passed changes nothing, and equal policies hash equal.
+    """
+
+    dims: Mapping[str, DimSpec]
+    sizes: Sequence[int] | Mapping[str, Sequence[int]]
+    pad_value: float | Mapping[str, float] = 0
+    oversize: Literal["eager", "compile"] = "eager"
+    outputs: OutputSpec = None
+    strategy: Literal["auto", "pad", "dynamic"] = "auto"
+    axes: tuple[Axis, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        dims, named = self._check_dims()
+        object.__setattr__(self, "dims", dims)
+        axes = self._check_sizes(dims, named)
+        object.__setattr__(self, "axes", axes)
+        if named:
+            sizes: Any = FrozenMap({a.name: a.sizes for a in axes})
+        else:
+            sizes = axes[0].sizes
+        object.__setattr__(self, "sizes", sizes)
+        self._check_pad_value(dims)
+        _check_choice("Buckets", "strategy", self.strategy, ("auto", "pad", "dynamic"))
+        _check_choice("Buckets", "oversize", self.oversize, ("eager", "compile"))
+        names = tuple(a.name for a in axes)
+        object.__setattr__(self, "outputs", _normal_outputs(self.outputs, names))
+
+    def _check_dims(self) -> tuple[FrozenMap[str, Any], bool]:
+        """``dims`` frozen, and whether it names axes."""
+        if not isinstance(self.dims, Mapping) or not self.dims:
+            raise ConfigError(
+                "Buckets(dims=...) must be a non-empty mapping of argument name to dim, "
+                f"dims or {{dim: axis name}}, got {self.dims!r}"
+            )
+        normal: dict[str, Any] = {}
+        for arg, dim in self.dims.items():
+            if not isinstance(arg, str) or not arg.isidentifier():
+                raise ConfigError(f"Buckets(dims=...) keys must be argument names, got {arg!r}")
+            found: FrozenMap[int, str] | tuple[int, ...] | None = None
+            if isinstance(dim, Mapping):
+                found = _axis_dims(dim, None) if dim else None
+            else:
+                found = _normal_dims(dim) or None
+            if found is None:
+                raise ConfigError(
+                    "Buckets(dims=...) values must be a dim (int), a tuple of distinct dims, "
+                    f"or a mapping of dim to axis name ({{0: 'batch', 1: 'seq'}}), got "
+                    f"{arg!r}: {dim!r}"
+                )
+            normal[arg] = found
+        kinds = {isinstance(v, Mapping) for v in normal.values()}
+        if len(kinds) > 1:
+            plain = next(a for a, v in normal.items() if not isinstance(v, Mapping))
+            raise ConfigError(
+                f"Buckets(dims=...) mixes plain dims ({plain!r}) with named axes: name the "
+                f"axes of every argument, e.g. {{{plain!r}: {{1: 'seq'}}}}"
+            )
+        return FrozenMap(normal), kinds == {True}
+
+    def _check_sizes(self, dims: Mapping[str, Any], named: bool) -> tuple[Axis, ...]:
+        """One :class:`Axis` per independent length, in ``sizes`` order."""
+        hint = "(pow2(lo, hi) makes one)"
+        if not named:
+            if isinstance(self.sizes, Mapping):
+                raise ConfigError(
+                    "Buckets(sizes=...) maps axis names to sizes, but dims names no axes: "
+                    "name them, e.g. dims={'x': {0: 'batch', 1: 'seq'}}, or give sizes as one "
+                    "sequence"
+                )
+            sizes = _sizes_or_none(self.sizes)
+            if sizes is None:
+                raise ConfigError(
+                    "Buckets(sizes=...) must be a non-empty, strictly increasing sequence of "
+                    f"positive ints {hint}, got {self.sizes!r}"
+                )
+            return (Axis(None, sizes),)
+        used = list(dict.fromkeys(a for v in dims.values() for a in v.values()))
+        given = self.sizes
+        if not isinstance(given, Mapping):
+            if len(used) > 1:
+                raise ConfigError(
+                    f"Buckets(sizes=...) must map each axis ({_named(used)}) to its sizes, "
+                    f"e.g. sizes={{{used[0]!r}: pow2(1, 64), {used[1]!r}: pow2(16, 512)}}, "
+                    f"got {given!r}"
+                )
+            given = {used[0]: given}
+        unknown = [a for a in given if a not in used]
+        if unknown:
+            raise ConfigError(
+                f"Buckets(sizes=...) names axis {unknown[0]!r}, which no dim in dims uses "
+                f"(axes: {_named(used)})"
+            )
+        missing = [a for a in used if a not in given]
+        if missing:
+            raise ConfigError(f"Buckets(sizes=...) has no sizes for axis {missing[0]!r}")
+        axes = []
+        for name, value in given.items():
+            sizes = _sizes_or_none(value)
+            if sizes is None:
+                raise ConfigError(
+                    f"Buckets(sizes=...) for axis {name!r} must be a non-empty, strictly "
+                    f"increasing sequence of positive ints {hint}, got {value!r}"
+                )
+            axes.append(Axis(name, sizes))
+        return tuple(axes)
+
+    def _check_pad_value(self, dims: Mapping[str, Any]) -> None:
+        pads = self.pad_value if isinstance(self.pad_value, Mapping) else {"*": self.pad_value}
+        for arg, value in pads.items():
+            if arg != "*" and arg not in dims:
+                raise ConfigError(
+                    f"Buckets(pad_value=...) names {arg!r}, which is not in dims "
+                    f"({', '.join(sorted(dims))})"
+                )
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ConfigError(
+                    "Buckets(pad_value=...) must be a number or a mapping of argument name "
+                    f"to number, got {value!r}"
+                )
+        if isinstance(self.pad_value, Mapping):
+            object.__setattr__(self, "pad_value", FrozenMap(self.pad_value))
+
+    @property
+    def named(self) -> bool:
+        """Whether ``dims`` names axes (several independent lengths may vary)."""
+        return self.axes[0].name is not None
+
+    @property
+    def bucket_count(self) -> int:
+        """How many buckets there are: the product of each axis's number of sizes."""
+        return math.prod(len(a.sizes) for a in self.axes)
+
+    def max_graphs(self, strategy: str) -> int:
+        """The most graphs these buckets make under a resolved ``strategy``: one per
+        bucket when padding; with dynamic ranges, lengths 0 and 1 below an axis's first
+        size each get a static graph too (torch always specialises them)."""
+        if strategy == "pad":
+            return self.bucket_count
+        return math.prod(len(a.sizes) + min(a.sizes[0], 2) for a in self.axes)
+
+    def dims_of(self, arg: str) -> tuple[tuple[int, int], ...]:
+        """One argument's bucketed dims, each with the index of its axis in ``axes``."""
+        spec = self.dims[arg]
+        if isinstance(spec, Mapping):
+            index = {a.name: i for i, a in enumerate(self.axes)}
+            return tuple((dim, index[axis]) for dim, axis in spec.items())
+        return tuple((dim, 0) for dim in _normal_dims(spec) or ())
+
+    def pad_for(self, arg: str) -> float:
+        """The pad value for one argument."""
+        if isinstance(self.pad_value, Mapping):
+            return self.pad_value.get(arg, 0)
+        return self.pad_value
+
+    def bucket_for(self, length: int, axis: str | None = None) -> int | None:
+        """The smallest size of ``axis`` (the only one when ``None``) that holds
+        ``length``, or ``None`` when it is too long."""
+        if axis is None:
+            if len(self.axes) > 1:
+                raise ValueError(f"name the axis: one of {_named([a.name for a in self.axes])}")
+            return self.axes[0].bucket_for(length)
+        for a in self.axes:
+            if a.name == axis:
+                return a.bucket_for(length)
+        raise ValueError(f"no axis {axis!r}: the axes are {_named([a.name for a in self.axes])}")
 
 
 WarmupInputs = Sequence[tuple[Any, ...]] | Callable[[], Sequence[tuple[Any, ...]]]
@@ -227,11 +429,16 @@ class Warmup:
 
     ``inputs`` is a sequence of argument tuples, or a callable returning one (called
     when warmup runs, so large tensors need not live for the process's lifetime).
-    ``background=True`` compiles on a worker thread while eager serves.
+    ``background=True`` compiles on a worker thread while eager serves. That thread runs
+    at a lower CPU priority, ``nice`` (0-19, default 19: the lowest), so live traffic keeps
+    the CPU first; ``nice=None`` or ``0`` leaves it at the caller's priority. On Linux it
+    applies to the worker thread only (and the compiler processes it starts); elsewhere it
+    is ignored (docs/speed.md, "Background warmup").
     """
 
     inputs: WarmupInputs
     background: bool = False
+    nice: int | None = 19
 
     def __post_init__(self) -> None:
         inputs: object = self.inputs  # checked at run time: callers may pass anything
@@ -250,6 +457,14 @@ class Warmup:
             object.__setattr__(self, "inputs", tuple(inputs))
         if not isinstance(self.background, bool):
             raise ConfigError(f"Warmup(background=...) must be a bool, got {self.background!r}")
+        nice = self.nice
+        if nice is not None and (
+            isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19
+        ):
+            raise ConfigError(
+                "Warmup(nice=...) must be an int from 0 to 19 (19: lowest priority) or None "
+                f"(leave the worker's priority alone), got {self.nice!r}"
+            )
 
     def resolve(self) -> tuple[tuple[Any, ...], ...]:
         """The example argument tuples (calling ``inputs`` if it is a callable)."""
@@ -304,21 +519,34 @@ class Rollback:
     """When to leave the compiled path, and when to try it again.
 
     Past ``max_recompiles`` graphs, new shapes run eager (the graphs already made keep
-    serving). With ``slower_ratio``, a compiled path measured slower than eager by that
-    ratio rolls back. ``retry_after`` seconds after a trip the compiled path is tried
-    again (one call, a half-open trial); each failed trial doubles the wait, up to
-    ``max_retry_after``; ``0`` tries again on the next call. ``None`` keeps eager until
-    ``reset()``.
+    serving). ``slower_ratio`` (on by default): a compiled graph measured slower than the
+    same graph run eagerly by more than that ratio, on live calls, runs eager from then
+    on (the other graphs stay compiled); when every graph is slower, the callable rolls
+    back (``slower``). It is measured on a bounded share of live calls (at most 1% at
+    steady state; a verdict reads ``slower_min_samples`` pairs at least; docs/speed.md),
+    and measured again later, with backoff. ``None`` turns it off.
+
+    ``retry_after`` seconds after a trip the compiled path is tried again (one call, a
+    half-open trial); each failed trial doubles the wait, up to ``max_retry_after``;
+    ``0`` tries again on the next call. ``None`` keeps eager until ``reset()``.
+
+    With ``safe_compile(group=...)``, ranks agree on trips every ``sync_every`` calls
+    (and at ``sync()``); a safe point waits at most ``sync_timeout`` seconds for its
+    peers (docs/fleet.md, "Ranks that agree").
     """
 
     max_recompiles: int = 8
-    slower_ratio: float | None = None
+    slower_ratio: float | None = 1.05
     slower_min_samples: int = 16
     retry_after: float | None = None
     max_retry_after: float = 3600.0
+    sync_every: int = 64  # with safe_compile(group=...): calls between safe points
+    sync_timeout: float = 300.0  # seconds a safe point waits for its peers
 
     def __post_init__(self) -> None:
         _check_int("Rollback", "max_recompiles", self.max_recompiles, minimum=1)
+        _check_int("Rollback", "sync_every", self.sync_every, minimum=1)
+        _check_number("Rollback", "sync_timeout", self.sync_timeout, minimum=0.0, strict=True)
         if self.slower_ratio is not None:
             _check_number("Rollback", "slower_ratio", self.slower_ratio, minimum=1.0)
         _check_int("Rollback", "slower_min_samples", self.slower_min_samples, minimum=1)

@@ -11,7 +11,10 @@ A check is due when a graph that served the call says so (its canary, then one r
   budget; the caller never waits. Graphs that update state are not checked async (the
   worker cannot isolate the live module); an event says so once.
 
-Checked calls also time both paths, for the A/B latency figures and the slower verdict.
+Checked calls also time both paths, for the A/B latency figures in ``stats()``. Those
+pairs run eager right after the compiled call, on the same inputs (warm caches, copies
+in async mode): they do not read like live traffic, so they never decide anything. The
+speed verdict times live calls instead (:mod:`safecompile._speed`).
 """
 
 from __future__ import annotations
@@ -29,16 +32,13 @@ from torch.utils import _pytree as pytree
 from ._compare import Comparison, compare
 from ._graphs import GraphRecord, GraphTable
 from ._model import Event, EventKind
-from ._policies import Rollback, Shadow
-from ._timing import LatencyWindow, slower_verdict
+from ._policies import Shadow
+from ._timing import LatencyWindow
 
 if TYPE_CHECKING:
     from ._state import Snapshot
 
 __all__ = ["Figures", "Outcome", "ShadowRunner", "Sink", "drain"]
-
-_SLOWER_ADVISORY = 1.10  # with slower_ratio=None: say once that compiled is this much slower
-_JUDGE_EVERY = 16  # judge speed once per this many new pairs (sorting the window costs)
 
 
 class Sink(Protocol):
@@ -88,8 +88,6 @@ class _Counters:
     max_rel: float = 0.0
     pending: int = 0
     said: set[tuple[int, str]] = field(default_factory=set)
-    slower_said: bool = False
-    next_judge: int = 0
 
 
 class ShadowRunner:
@@ -99,19 +97,15 @@ class ShadowRunner:
         self,
         *,
         policy: Shadow | None,
-        rollback: Rollback,
         fn: Callable[..., Any],
         on_breach: Callable[[GraphRecord | None, str, float, float], None],
-        on_slower: Callable[[str], None],
         sink: Sink,
         record: Callable[[Event], None],
         clock: Callable[[], float],
     ) -> None:
         self.policy = policy
         self.fn = fn
-        self._rollback = rollback
         self._on_breach = on_breach
-        self._on_slower = on_slower
         self._sink = sink
         self._record = record
         self._clock = clock
@@ -293,39 +287,6 @@ class ShadowRunner:
         if compiled_s is not None and eager_s is not None and result.ok:
             self._compiled_lat.record(compiled_s)
             self._eager_lat.record(eager_s)
-            self._judge_speed()
-
-    def _judge_speed(self) -> None:
-        pairs = self._compiled_lat.count()
-        with self._lock:
-            if pairs < max(self._c.next_judge, self._rollback.slower_min_samples):
-                return
-            self._c.next_judge = pairs + _JUDGE_EVERY
-        ratio_limit = self._rollback.slower_ratio
-        slower, measured = slower_verdict(
-            self._compiled_lat.samples(),
-            self._eager_lat.samples(),
-            ratio=ratio_limit if ratio_limit is not None else _SLOWER_ADVISORY,
-            min_samples=self._rollback.slower_min_samples,
-        )
-        if not slower:
-            return
-        message = f"compiled median is {measured:.2f}x eager's over {pairs} paired samples"
-        if ratio_limit is not None:
-            self._on_slower(f"{message} (slower_ratio={ratio_limit})")
-            return
-        with self._lock:
-            if self._c.slower_said:
-                return
-            self._c.slower_said = True
-        self._record(
-            Event(
-                kind=EventKind.SHADOW_SKIPPED,
-                time=time.time(),
-                message=f"advisory: {message}; set Rollback(slower_ratio=...) to roll back",
-                details={"advisory": "slower"},
-            )
-        )
 
     def _skip(self, graph: GraphRecord | None, why: str) -> None:
         key = (graph.id if graph is not None else 0, why)

@@ -406,14 +406,17 @@ class Telemetry:
         return {"safecompile.function": self.function}
 
     def _error_details(self, span: trace.Span, ev: Event, end_ns: int) -> None:
-        """Status ERROR, ``error.type`` and an ``exception`` event (no stack: no values)."""
+        """Status ERROR (described in plain words), ``error.type`` and an ``exception``
+        event with torch's own text (no stack: no values)."""
         message = safe_message(ev.message) if ev.message else None
         span.set_status(Status(StatusCode.ERROR, message or ev.error_type or None))
         if ev.error_type:
             span.set_attribute("error.type", ev.error_type)
             exception: dict[str, Any] = {"exception.type": ev.error_type}
-            if message:
-                exception["exception.message"] = message
+            raw = ev.details.get("error_message")
+            text = safe_message(raw) if isinstance(raw, str) and raw else message
+            if text:
+                exception["exception.message"] = text
             span.add_event("exception", exception, timestamp=end_ns)
 
     def _compile_span(self, ev: Event) -> trace.Span:
@@ -477,6 +480,10 @@ class Telemetry:
                 generated = ev.details.get("generated_file")
                 if isinstance(generated, str):
                     attributes["safecompile.generated.file"] = generated
+                for key in ("peer_rank", "peer_reason", "rank"):  # ranks that agree
+                    value = ev.details.get(key)
+                    if isinstance(value, int | str):
+                        attributes[f"safecompile.{key.replace('_', '.')}"] = value
                 span.set_attributes(attributes)
                 if ev.error_type or ev.reason in _ERROR_REASONS:
                     self._error_details(span, ev, end_ns)
@@ -611,13 +618,25 @@ _EVENT_FIELDS: tuple[tuple[str, Callable[[Event], Any]], ...] = (
 )
 
 
+def _rounded(value: Any) -> Any:
+    """Floats to 4 significant digits (``0.4590475279983366`` -> ``0.459``)."""
+    if isinstance(value, float) and math.isfinite(value):
+        return float(f"{value:.4g}")
+    return value
+
+
 def _log_fields(telemetry: Telemetry, ev: Event) -> dict[str, Any]:
-    """The event as log fields: names, figures and source locations only."""
+    """The event as log fields: names, rounded figures and source locations only.
+
+    ``description`` is what happened in plain words; torch's own text, where there is
+    one, is ``error_message`` (once: a rollback after a failed compile refers to the
+    ``compile_failed`` event instead of repeating it).
+    """
     fields: dict[str, Any] = {"function": telemetry.function, "backend": telemetry.backend}
     for name, read in _EVENT_FIELDS:
         value = read(ev)
         if value is not None:
-            fields[name] = value
+            fields[name] = _rounded(value)
     for key, value in ev.details.items():
         if key == "graph_breaks" and isinstance(value, list | tuple):
             fields["graph_breaks"] = len(value)
@@ -625,5 +644,5 @@ def _log_fields(telemetry: Telemetry, ev: Event) -> dict[str, Any]:
                 f"{b.get('file')}:{b.get('line')}" for b in value if isinstance(b, Mapping)
             ][:32]
         elif key not in fields and isinstance(value, _SCALARS):
-            fields[key] = safe_message(value) if isinstance(value, str) else value
+            fields[key] = safe_message(value) if isinstance(value, str) else _rounded(value)
     return fields

@@ -1,14 +1,13 @@
-"""Latency bookkeeping: A/B percentiles and the slower-than-eager verdict."""
+"""Latency bookkeeping: the A/B percentiles of shadow-checked calls (figures only; the
+speed verdict lives in :mod:`safecompile._speed`)."""
 
 from __future__ import annotations
 
 import math
-import statistics
 import threading
 from collections import deque
-from collections.abc import Sequence
 
-__all__ = ["LatencyWindow", "slower_verdict"]
+__all__ = ["LatencyWindow"]
 
 
 class LatencyWindow:
@@ -54,39 +53,6 @@ class LatencyWindow:
             "p99": _quantile(ordered, 0.99),
             "mean": math.fsum(ordered) / len(ordered),
         }
-
-
-def slower_verdict(
-    compiled: Sequence[float], eager: Sequence[float], *, ratio: float, min_samples: int
-) -> tuple[bool, float]:
-    """Is the compiled path slower than eager's by more than ``ratio``?
-
-    ``compiled[i]`` and ``eager[i]`` are a pair: the same inputs, timed back to back.
-    The most recent pairs count (when the sequences differ in length, the newest
-    ``min(len)`` of each). Returns ``(slower, median(compiled) / median(eager))``, or
-    ``(False, nan)`` with fewer than ``min_samples`` valid pairs. Pairs with a
-    non-finite or negative time are dropped.
-    """
-    if not (math.isfinite(ratio) and ratio > 0):
-        raise ValueError(f"ratio must be a finite number > 0, got {ratio!r}")
-    if isinstance(min_samples, bool) or not isinstance(min_samples, int) or min_samples < 1:
-        raise ValueError(f"min_samples must be an int >= 1, got {min_samples!r}")
-    n = min(len(compiled), len(eager))
-    pairs = [
-        (c, e)
-        for c, e in zip(compiled[len(compiled) - n :], eager[len(eager) - n :], strict=True)
-        if math.isfinite(c) and math.isfinite(e) and c >= 0 and e >= 0
-    ]
-    if len(pairs) < min_samples:
-        return False, math.nan
-    compiled_median = statistics.median(c for c, _ in pairs)
-    eager_median = statistics.median(e for _, e in pairs)
-    if eager_median <= 0:
-        if compiled_median <= 0:
-            return False, math.nan
-        return True, math.inf
-    measured = compiled_median / eager_median
-    return measured > ratio, measured
 
 
 def _quantile(ordered: list[float], q: float) -> float:

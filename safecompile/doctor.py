@@ -13,12 +13,14 @@ settle before switching compilation on:
 - drift: how far are compiled outputs from eager's?
 
 Measuring (:func:`diagnose`), judging (:func:`judge`) and rendering (:func:`render_text`,
-:meth:`Report.to_dict`) are separate: judging and rendering are pure functions of a
-:class:`Report`. ``docs/doctor.md`` describes the checks, their thresholds and the exit codes.
+:func:`render_html`, :meth:`Report.to_dict`) are separate: judging and rendering are pure
+functions of a :class:`Report`. ``docs/doctor.md`` describes the checks, their thresholds
+and the exit codes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -40,11 +42,13 @@ from torch.utils import _pytree as pytree
 
 from ._backend import backend_name, build_compiler, validate_compile_options
 from ._compare import compare
+from ._doctor_html import render_html
 from ._errors import ConfigError
 from ._graphs import random_op
 from ._guard import safe_compile
 from ._model import Event, EventKind, State
 from ._policies import Buckets, Rollback
+from ._progress import spinner
 from ._source import dedupe_graph_breaks, graph_breaks_of, location_of_function
 from ._version import __version__
 
@@ -65,6 +69,7 @@ __all__ = [
     "judge",
     "load_target",
     "parse_inputs",
+    "render_html",
     "render_text",
     "to_target",
 ]
@@ -86,7 +91,8 @@ _NOISY_SPREAD = 0.25  # timing pairs' interquartile range over their median rati
 class UsageError(Exception):
     """The doctor cannot run on what it was given (exit code 2).
 
-    ``detail`` is more text for the user (a traceback from their own code), or ``None``.
+    The message is one line; where the user's own code raised, it names the line.
+    ``detail`` is more text for the user (the traceback from their own code), or ``None``.
     """
 
     def __init__(self, message: str, detail: str | None = None) -> None:
@@ -233,10 +239,8 @@ def load_target(spec: str) -> DoctorTarget:
         raise UsageError(f"{spec} is {_kind(factory)}, not a callable factory")
     try:
         value = factory()
-    except Exception as exc:
-        raise UsageError(
-            f"{attr}() raised {type(exc).__name__}: {exc}", detail=_user_traceback(exc)
-        ) from exc
+    except (Exception, SystemExit) as exc:
+        raise UsageError(f"{attr}() raised {_error_at(exc)}", detail=_user_traceback(exc)) from exc
     return to_target(value, attr)
 
 
@@ -248,10 +252,18 @@ def _import(name: str) -> types.ModuleType:
         sys.path.insert(0, cwd)  # what `python -m` does; a console script does not
     try:
         return importlib.import_module(name)
-    except Exception as exc:
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (name == exc.name or name.startswith(exc.name + ".")):
+            raise UsageError(
+                f"cannot import {name!r}: no module named {exc.name!r} here (run from the folder "
+                "that holds it, or give a file: path/to/file.py:FACTORY)"
+            ) from None
         raise UsageError(
-            f"cannot import {name!r}: {type(exc).__name__}: {exc}",
-            detail=_user_traceback(exc),
+            f"cannot import {name!r}: {_error_at(exc)}", detail=_user_traceback(exc)
+        ) from exc
+    except (Exception, SystemExit) as exc:
+        raise UsageError(
+            f"cannot import {name!r}: {_error_at(exc)}", detail=_user_traceback(exc)
         ) from exc
 
 
@@ -277,10 +289,10 @@ def _import_file(name: str) -> types.ModuleType:
     sys.modules[modname] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:
+    except (Exception, SystemExit) as exc:
         del sys.modules[modname]
         raise UsageError(
-            f"cannot import {name}: {type(exc).__name__}: {exc}", detail=_user_traceback(exc)
+            f"cannot import {name}: {_error_at(exc)}", detail=_user_traceback(exc)
         ) from exc
     return module
 
@@ -328,6 +340,7 @@ class Call:
     seconds: float | None = None  # wall time of the first call: compile and one run
     graphs: int = 0  # graphs compiled for it
     backend_s: float = 0.0  # of ``seconds``, time in the backend compiler
+    graph_s: tuple[float, ...] = ()  # backend compile time of each of those graphs
     note: str | None = None
     max_abs: float | None = None  # against eager (compiled calls only)
     max_rel: float | None = None
@@ -346,6 +359,8 @@ class Timing:
     calls_per_sample: int
     spread: float | None = None  # interquartile range of the pairs' ratios / their median
     note: str | None = None
+    eager_p99_s: float | None = None  # 99th percentile of eager's samples
+    compiled_p99_s: float | None = None
 
     @property
     def noisy(self) -> bool:
@@ -516,7 +531,9 @@ def diagnose(
             f"{os.environ.get('SAFECOMPILE_DISABLE', '')!r}): unset it to run the doctor"
         )
 
-    with torch.set_grad_enabled(settings.grad):
+    # told progress (the CLI): a compile past ~2 s also shows "compiling ... 12 s" on a TTY
+    shown = spinner() if progress is not None else contextlib.nullcontext()
+    with torch.set_grad_enabled(settings.grad), shown:
         calls = _run_examples(session, plan, say)
         sweep, sweep_plan, stopped = _run_sweep(session, plan, settings, say)
         timing = _run_timing(session, plan, settings, say)
@@ -760,7 +777,7 @@ class _Session:
             # safe_compile raises only what eager raises too: the inputs' own error
             if role == "example":
                 raise UsageError(
-                    f"the example {label} raises in eager too ({type(exc).__name__}: {exc}): "
+                    f"the example {label} raises in eager too ({_error_at(exc)}): "
                     "fix the factory's inputs",
                     detail=_user_traceback(exc),
                 ) from exc
@@ -774,6 +791,7 @@ class _Session:
         new_graphs = self.recorder.graphs[graphs_before:]
         graphs = len(new_graphs)
         backend_s = math.fsum(g.backend_s for g in new_graphs)
+        graph_s = tuple(g.backend_s for g in new_graphs)
         events = _since(events_before, self.controller.events())
         after = self.controller.stats()
         failed = _failure_event(events)
@@ -786,6 +804,7 @@ class _Session:
                 seconds=seconds,
                 graphs=graphs,
                 backend_s=backend_s,
+                graph_s=graph_s,
                 note=f"{failed.error_type}: safe_compile answered with eager's result",
             )
         if after.compiled_calls == before.compiled_calls:
@@ -800,6 +819,7 @@ class _Session:
                 seconds=seconds,
                 graphs=graphs,
                 backend_s=backend_s,
+                graph_s=graph_s,
                 note="past the recompile limit: runs eager" if limit else "ran eager",
             )
         args, kwargs = _cloned(example)
@@ -812,6 +832,7 @@ class _Session:
             seconds=seconds,
             graphs=graphs,
             backend_s=backend_s,
+            graph_s=graph_s,
             max_abs=result.max_abs,
             max_rel=result.max_rel,
             drift=result.reason,
@@ -853,6 +874,7 @@ class _Session:
                 samples=repeat,
                 calls_per_sample=inner,
                 note="the compiled path did not serve this shape (it ran eager)",
+                eager_p99_s=_p99(e_times),
             )
         # Each pair was timed back to back: the median of the pairs' ratios holds up when
         # the machine's load changes during the run; their spread says how much it did.
@@ -871,6 +893,8 @@ class _Session:
             calls_per_sample=inner,
             spread=spread,
             note=None if served == calls else f"{calls - served} of {calls} calls ran eager",
+            eager_p99_s=_p99(e_times),
+            compiled_p99_s=_p99(c_times),
         )
 
     def _clock(self, fn: Callable[[], Any], n: int) -> float:
@@ -1465,8 +1489,55 @@ def _qualname(fn: object) -> str:
     return str(getattr(fn, "__qualname__", None) or type(fn).__qualname__)
 
 
+_NOT_USERS = (
+    "<frozen ",
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,  # safecompile
+    os.path.dirname(os.path.abspath(importlib.__file__)) + os.sep,  # the import machinery
+)
+_MESSAGE_LIMIT = 300
+
+
+def _is_ours(filename: str) -> bool:
+    """A frame of safecompile's own or of the import machinery: not the user's code."""
+    return filename.startswith(_NOT_USERS)
+
+
+def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` from its first frame that is the user's code (``None`` if none is)."""
+    while tb is not None and _is_ours(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return tb
+
+
 def _user_traceback(exc: BaseException) -> str:
-    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    """The traceback of ``exc`` from the user's first frame on (safecompile's are left out)."""
+    tb = _user_frames(exc.__traceback__)
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def _error_at(exc: BaseException) -> str:
+    """``Type: message (at file:line in function)`` on one line: the user's deepest frame."""
+    if isinstance(exc, SystemExit):
+        text = f"SystemExit({exc.code!r}) (sys.exit() while the doctor loaded it)"
+    else:
+        message = " ".join(str(exc).split())
+        if len(message) > _MESSAGE_LIMIT:
+            message = message[: _MESSAGE_LIMIT - 1] + "\u2026"
+        text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    where: str | None = None
+    if isinstance(exc, SyntaxError) and exc.filename:
+        where = _where(exc.filename, exc.lineno, None)
+    else:
+        last = None
+        tb = _user_frames(exc.__traceback__)
+        while tb is not None:
+            if not _is_ours(tb.tb_frame.f_code.co_filename):
+                last = tb
+            tb = tb.tb_next
+        if last is not None:
+            code = last.tb_frame.f_code
+            where = _where(code.co_filename, last.tb_lineno, code.co_name)
+    return f"{text} (at {where})" if where else text
 
 
 def _source_line(file: str | None, line: int | None) -> str | None:
@@ -1502,6 +1573,13 @@ def _shown_path(file: str) -> str:
 def _message_lines(message: str | None, limit: int) -> list[str]:
     lines = [line.strip() for line in (message or "").splitlines()]
     return [line for line in lines if line][:limit]
+
+
+def _p99(samples: Sequence[float]) -> float:
+    """The 99th percentile of timing samples (linear between ranks; the largest when few)."""
+    if len(samples) < 2:
+        return samples[0]
+    return statistics.quantiles(samples, n=100, method="inclusive")[98]
 
 
 def _graphs(n: int) -> str:

@@ -25,10 +25,11 @@ from torch.utils import _pytree as pytree
 from ._backend import compile_function
 from ._compare import compare
 from ._shadow import drain
-from ._source import graph_breaks_of
+from ._source import dedupe_graph_breaks, graph_breaks_of
 
 __all__ = [
     "BlockingBackend",
+    "CompileCheck",
     "CompileReport",
     "DriftingBackend",
     "FailingBackend",
@@ -206,54 +207,84 @@ class CompileReport:
     max_rel_diff: float
 
 
+@dataclass(frozen=True)
+class CompileCheck:
+    """:func:`assert_compiles` with other settings: ``backend`` (default ``"aot_eager"``:
+    dynamo and AOTAutograd without code generation) and ``check_outputs`` (compare the
+    compiled output with eager's). Call it like ``assert_compiles``::
+
+        CompileCheck(backend="inductor")(score, x, mask=m, max_graph_breaks=1)
+
+    Every keyword but ``max_graph_breaks`` goes to the function, so a function that takes
+    ``backend=`` or ``check_outputs=`` of its own gets them.
+    """
+
+    backend: str | Callable[..., Any] = "aot_eager"
+    check_outputs: bool = True
+
+    def __call__(
+        self, fn: Callable[..., Any], /, *args: Any, max_graph_breaks: int = 0, **kwargs: Any
+    ) -> CompileReport:
+        """Assert that ``fn(*args, **kwargs)`` compiles with at most ``max_graph_breaks``
+        graph breaks (see :func:`assert_compiles`)."""
+        target = _unwrap(fn)
+        recorder = _Recorder(self.backend)
+        compiled = compile_function(
+            target, backend=recorder, dynamic=None, fullgraph=False, recompile_limit=64
+        )
+        try:
+            out = compiled(*args, **kwargs)
+        except Exception as exc:
+            raise AssertionError(
+                f"{_name(target)} failed to compile: {type(exc).__name__}: {exc}"
+            ) from exc
+        # A break is seen from both sides: the graph it ends and the one resuming after it.
+        # The resuming side is the only trace of a break with nothing compiled before it.
+        breaks = dedupe_graph_breaks(
+            b for gm in recorder.graphs for b in graph_breaks_of(gm, include_resumed=True)
+        )
+        if len(breaks) > max_graph_breaks:
+            lines = "\n".join(
+                f"  - {b.get('file')}:{b.get('line')} in {b.get('function')}: {b.get('reason')}"
+                for b in breaks
+            )
+            raise AssertionError(
+                f"{_name(target)} has {len(breaks)} graph break(s), at most {max_graph_breaks} "
+                f"allowed:\n{lines}"
+            )
+        max_abs = max_rel = 0.0
+        if self.check_outputs:
+            expected = target(*args, **kwargs)
+            result = compare(out, expected)
+            if not result.ok:
+                raise AssertionError(
+                    f"{_name(target)} compiled differs from eager: {result.reason}"
+                )
+            max_abs, max_rel = result.max_abs, result.max_rel
+        return CompileReport(
+            graphs=len(recorder.graphs),
+            graph_breaks=breaks,
+            max_abs_diff=max_abs,
+            max_rel_diff=max_rel,
+        )
+
+
 def assert_compiles(
-    fn: Callable[..., Any],
-    *args: Any,
-    max_graph_breaks: int = 0,
-    backend: str | Callable[..., Any] = "aot_eager",
-    check_outputs: bool = True,
-    **kwargs: Any,
+    fn: Callable[..., Any], /, *args: Any, max_graph_breaks: int = 0, **kwargs: Any
 ) -> CompileReport:
     """Assert that ``fn(*args, **kwargs)`` compiles with at most ``max_graph_breaks`` breaks.
 
-    Compiles a fresh copy (a guarded function or module is unwrapped first), runs it once,
-    and compares its output with eager's. On failure the ``AssertionError`` lists each
-    graph break with its reason and source line. Returns a :class:`CompileReport`.
+    Compiles a fresh copy with ``backend="aot_eager"`` (a guarded function or module is
+    unwrapped first), runs it once, and compares its output with eager's. A graph break
+    counts wherever it is, before anything was compiled too (a ``print`` on the first
+    line), once each. On failure the ``AssertionError`` lists each graph break with its
+    reason and source line. Returns a :class:`CompileReport`.
+
+    Every keyword but ``max_graph_breaks`` is passed to ``fn``. For another backend, or
+    without comparing outputs, use :class:`CompileCheck`:
+    ``CompileCheck(backend="inductor", check_outputs=False)(fn, *args, **kwargs)``.
     """
-    target = _unwrap(fn)
-    recorder = _Recorder(backend)
-    compiled = compile_function(
-        target, backend=recorder, dynamic=None, fullgraph=False, recompile_limit=64
-    )
-    try:
-        out = compiled(*args, **kwargs)
-    except Exception as exc:
-        raise AssertionError(
-            f"{_name(target)} failed to compile: {type(exc).__name__}: {exc}"
-        ) from exc
-    breaks = [b for gm in recorder.graphs for b in graph_breaks_of(gm)]
-    if len(breaks) > max_graph_breaks:
-        lines = "\n".join(
-            f"  - {b.get('file')}:{b.get('line')} in {b.get('function')}: {b.get('reason')}"
-            for b in breaks
-        )
-        raise AssertionError(
-            f"{_name(target)} has {len(breaks)} graph break(s), at most {max_graph_breaks} "
-            f"allowed:\n{lines}"
-        )
-    max_abs = max_rel = 0.0
-    if check_outputs:
-        expected = target(*args, **kwargs)
-        result = compare(out, expected)
-        if not result.ok:
-            raise AssertionError(f"{_name(target)} compiled differs from eager: {result.reason}")
-        max_abs, max_rel = result.max_abs, result.max_rel
-    return CompileReport(
-        graphs=len(recorder.graphs),
-        graph_breaks=breaks,
-        max_abs_diff=max_abs,
-        max_rel_diff=max_rel,
-    )
+    return CompileCheck()(fn, *args, max_graph_breaks=max_graph_breaks, **kwargs)
 
 
 def drain_shadow_checks(timeout: float = 30.0) -> None:

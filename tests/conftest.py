@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from prometheus_client.parser import text_string_to_metric_families
+from redis_server import RedisServer, require_redis_server
 
 import safecompile
 from safecompile.testing import FakeClock
@@ -26,6 +29,58 @@ def _clean_switch(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     safecompile.enable()
     yield
     safecompile.enable()
+
+
+@pytest.fixture(scope="session")
+def example_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """The environment an example runs in as a subprocess: the cheap ``aot_eager`` backend
+    (``SAFECOMPILE_EXAMPLE_BACKEND``), a fresh cache directory, the kill switch off, and no
+    ``OTEL_*`` exporter settings (spans go to the console)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+    env.pop(safecompile.ENV_VAR, None)
+    env.update(
+        SAFECOMPILE_EXAMPLE_BACKEND="aot_eager",
+        SAFECOMPILE_CACHE_DIR=str(tmp_path_factory.mktemp("example-cache")),
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+@pytest.fixture(scope="session")
+def prometheus_value() -> Callable[..., float]:
+    """``value(exposition, name, **labels)``: the sum of the samples called ``name`` in a
+    Prometheus text exposition whose labels include ``safecompile_<label>=<value>`` for
+    each keyword (0 when there is none)."""
+
+    def value(exposition: str, name: str, **labels: str) -> float:
+        wanted = {f"safecompile_{k}": v for k, v in labels.items()}
+        return sum(
+            sample.value
+            for family in text_string_to_metric_families(exposition)
+            for sample in family.samples
+            if sample.name == name and wanted.items() <= sample.labels.items()
+        )
+
+    return value
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A real ``redis-server`` on 127.0.0.1 for the session: skipped when none is installed,
+    a failure then under ``SAFECOMPILE_REQUIRE_REDIS=1`` (see ``tests/redis_server.py``)."""
+    server = RedisServer.start(require_redis_server())
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def redis_url(redis_server: RedisServer) -> str:
+    """The session's Redis, emptied for this test."""
+    redis = pytest.importorskip("redis")
+    client = redis.Redis.from_url(redis_server.url)
+    client.flushall()
+    client.close()
+    return redis_server.url
 
 
 @pytest.fixture

@@ -23,7 +23,7 @@ def test_many_random_lengths_bounded_graphs_and_exact_outputs() -> None:
     g = safe_compile(
         masked,
         backend=backend,
-        buckets=Buckets(dims={"x": 1, "mask": 1}, sizes=pow2(4, 64)),
+        buckets=Buckets(dims={"x": 1, "mask": 1}, sizes=pow2(4, 64), strategy="pad"),
         shadow=None,
     )
     rng = random.Random(0)
@@ -70,7 +70,7 @@ def test_harmful_padding_is_caught_even_without_shadow(shadow: str | None) -> No
     g = safe_compile(
         total,
         backend="eager",
-        buckets=Buckets(dims={"x": 1}, sizes=(8, 16), pad_value=1),
+        buckets=Buckets(dims={"x": 1}, sizes=(8, 16), pad_value=1, strategy="pad"),
         **options,
     )
     for length in (5, 6, 7):
@@ -139,14 +139,17 @@ def test_recompile_limit_must_hold_the_buckets() -> None:
             buckets=Buckets(dims={"x": 1}, sizes=pow2(1, 512)),
             rollback=Rollback(max_recompiles=8),
         )
-    g = safe_compile(total, backend="eager", buckets=Buckets(dims={"x": 1}, sizes=pow2(1, 512)))
+    pad = Buckets(dims={"x": 1}, sizes=pow2(1, 512), strategy="pad")
+    g = safe_compile(total, backend="eager", buckets=pad)
     assert g.safecompile.report()["dynamic"] is False
 
 
 def test_pad_strategy_refuses_dynamic_true() -> None:
     """Padding to static sizes with dynamic=True is contradictory and refused."""
     with pytest.raises(ConfigError, match="strategy='dynamic'"):
-        safe_compile(total, dynamic=True, buckets=Buckets(dims={"x": 1}, sizes=(8,)))
+        safe_compile(
+            total, dynamic=True, buckets=Buckets(dims={"x": 1}, sizes=(8,), strategy="pad")
+        )
 
 
 def test_bucket_name_must_be_a_parameter() -> None:

@@ -21,6 +21,7 @@ SIZES = (16, 32, 64, 128)
 
 def bucketer(fn: Any, **options: Any) -> Bucketer:
     options.setdefault("sizes", SIZES)
+    options.setdefault("strategy", "pad")  # these tests are about padding
     return Bucketer(Buckets(**options), fn)
 
 
@@ -193,7 +194,8 @@ def test_plan_none_without_bucketed_tensor() -> None:
 
 
 def test_plan_key_is_one_per_bucket_and_shape() -> None:
-    """Lengths in one bucket share a key; another batch or bucket is another key."""
+    """Padded lengths in one bucket share a key; another batch or bucket is another key,
+    and so is the length that fits the bucket exactly (nothing to verify or cut there)."""
     b = bucketer(two, dims={"x": 1, "mask": 1})
 
     def key(batch: int, length: int) -> Any:
@@ -201,10 +203,16 @@ def test_plan_key_is_one_per_bucket_and_shape() -> None:
         assert plan is not None
         return plan.key
 
-    assert key(2, 17) == key(2, 30) == key(2, 32)
+    assert key(2, 17) == key(2, 30)
+    assert key(2, 17) != key(2, 32)
     assert key(2, 17) != key(3, 17)
     assert key(2, 17) != key(2, 33)
     assert key(2, 17) != key(2, 16)
+    dynamic = bucketer(two, dims={"x": 1, "mask": 1}, strategy="dynamic")
+    plans = [dynamic.plan((torch.zeros(2, n, 4), torch.ones(2, n)), {}) for n in (17, 32)]
+    assert plans[0] is not None
+    assert plans[1] is not None
+    assert plans[0].key == plans[1].key  # one dynamic range, nothing padded
 
 
 def test_plan_fields() -> None:

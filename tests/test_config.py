@@ -30,6 +30,7 @@ def f(x: torch.Tensor) -> torch.Tensor:
         ({"rollout": 1.5}, r"rollout=\.\.\..*0.0 to 1.0"),
         ({"rollout": True}, r"rollout"),
         ({"clock": 5}, r"clock"),
+        ({"group": "world"}, r"group=\.\.\..*ProcessGroup.*True.*None"),
         ({"speed": "fast"}, r"unknown option\(s\) speed"),
     ],
 )
@@ -60,6 +61,8 @@ def test_config_error_is_value_error() -> None:
         (lambda: Rollback(slower_ratio=0.5), r"Rollback\(slower_ratio=\.\.\.\)"),
         (lambda: Rollback(retry_after=-1), r"Rollback\(retry_after=\.\.\.\)"),
         (lambda: Rollback(retry_after=10, max_retry_after=5), r"max_retry_after"),
+        (lambda: Rollback(sync_every=0), r"Rollback\(sync_every=\.\.\.\) must be an int >= 1"),
+        (lambda: Rollback(sync_timeout=0), r"Rollback\(sync_timeout=\.\.\.\)"),
         (lambda: Warmup(inputs="x"), r"Warmup\(inputs=\.\.\.\)"),
         (lambda: Warmup(inputs=[torch.randn(2)]), r"items must be tuples"),
         (lambda: Warmup(inputs=[], background="yes"), r"Warmup\(background=\.\.\.\)"),

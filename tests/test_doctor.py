@@ -360,12 +360,20 @@ def test_usage_errors_exit_2(
     assert captured.out == ""
 
 
-def test_factory_traceback_is_shown(capsys: pytest.CaptureFixture[str]) -> None:
-    """A factory that raises: its traceback, down to the user's line, goes to stderr."""
-    main(["doctor", spec("raises")])
+def test_factory_error_names_the_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """A factory that raises: one line naming the user's line; --traceback adds the
+    traceback, down to that line."""
+    line = marked_line("factory-raises")
 
-    err = capsys.readouterr().err
-    assert f'doctor_targets.py", line {marked_line("factory-raises")}, in raises' in err
+    main(["doctor", spec("raises")])
+    brief = capsys.readouterr().err
+    main(["doctor", spec("raises"), "--traceback"])
+    full = capsys.readouterr().err
+
+    assert brief.count("\n") == 1
+    assert f"doctor_targets.py:{line} in raises)" in brief
+    assert f'doctor_targets.py", line {line}, in raises' in full
+    assert full.endswith(brief)
 
 
 @pytest.mark.parametrize(

@@ -74,6 +74,36 @@ def test_disabled_never_calls_torch_compile(
     assert backend.compiles == 0
 
 
+def test_disabled_at_decoration_never_calls_torch_compile_itself(
+    monkeypatch: pytest.MonkeyPatch, x: torch.Tensor
+) -> None:
+    """Decorated while disabled: ``torch.compile`` itself is not called (not even lazily,
+    at decoration) until the switch is lifted; then once, on the first call."""
+    calls: list[object] = []
+    real_compile = torch.compile
+
+    def counting_compile(*args: object, **kwargs: object) -> object:
+        calls.append(args[0] if args else None)
+        return real_compile(*args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(torch, "compile", counting_compile)
+    monkeypatch.setenv(ENV_VAR, "1")
+    g = safe_compile(inc, backend="eager", shadow=None)
+    module = safe_compile(torch.nn.Linear(8, 2), backend="eager", shadow=None)
+    for _ in range(3):
+        torch.testing.assert_close(g(x), inc(x))
+        module(x)
+    g.safecompile.warmup(x)
+    g.safecompile.reset()
+    assert calls == []
+    assert g.safecompile.state == State.DISABLED
+    monkeypatch.delenv(ENV_VAR)
+    torch.testing.assert_close(g(x), inc(x))
+    torch.testing.assert_close(g(x), inc(x))
+    assert calls == [inc]
+    assert g.safecompile.stats().compiled_calls == 2
+
+
 def test_disable_enable_from_code(x: torch.Tensor) -> None:
     """safecompile.disable()/enable() do the same from code, by name or for all."""
     a = safe_compile(inc, backend="eager", shadow=None, name="ranker.a")

@@ -1,4 +1,4 @@
-"""Shadow checks: drift trips in the canary, sampling, async, side effects, slower-than-eager."""
+"""Shadow checks: drift trips in the canary, sampling, async, side effects, A/B timings."""
 
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ def test_drift_trips_in_canary_and_caller_never_sees_it() -> None:
     g = safe_compile(affine, backend=backend, shadow=Shadow(canary=8, every=0))
     for _ in range(10):
         x = torch.randn(16)
-        assert torch.equal(g(x), affine(x)) or torch.allclose(g(x), affine(x), rtol=1e-6)
+        out = g(x)  # one call each: a second call would run another compiled run
+        torch.testing.assert_close(out, affine(x), rtol=1e-6, atol=1e-6)
     c = g.safecompile
     assert c.state == State.ROLLED_BACK
     last = c.stats().last_rollback
@@ -88,9 +89,19 @@ def test_structured_outputs(scale: float) -> None:
     g = safe_compile(structured, backend=DriftingBackend(scale=scale), shadow=Shadow(canary=2))
     x = torch.randn(8)
     out = g(x)
-    assert isinstance(out[0], Out)
     expected_state = State.CANARY if scale == 1.0 else State.ROLLED_BACK
     assert g.safecompile.state == expected_state
+    # the values returned are eager's, leaf by leaf (a drifted leaf never reaches the caller)
+    first, pair, nothing, three = out
+    assert isinstance(first, Out)
+    torch.testing.assert_close(first.logits, x * 2, rtol=0, atol=0)
+    assert list(first.extra) == ["h"]
+    torch.testing.assert_close(first.extra["h"], x + 1, rtol=0, atol=0)
+    assert isinstance(pair, list)
+    assert len(pair) == 2
+    torch.testing.assert_close(pair[0], x.sum(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(pair[1], x.mean(), rtol=1e-6, atol=1e-6)
+    assert (nothing, three) == (None, 3)
 
 
 def bump(x: torch.Tensor) -> torch.Tensor:
@@ -122,6 +133,8 @@ def test_mutation_breach_leaves_eager_side_effects() -> None:
     out = g(x)
     assert g.safecompile.state == State.ROLLED_BACK
     torch.testing.assert_close(out, torch.tensor(8.0))
+    # eager's update, applied once: not the compiled run's on top of it (4.0), not none (1.0)
+    torch.testing.assert_close(x, torch.full((4,), 2.0), rtol=0, atol=0)
 
 
 def test_sampling_counts_are_exact() -> None:
@@ -232,8 +245,9 @@ def test_async_never_blocks_and_full_queue_skips() -> None:
     )
 
 
-def test_slower_than_eager_rolls_back(clock: FakeClock) -> None:
-    """With slower_ratio, compiled measured slower than eager over enough pairs trips 'slower'."""
+def test_shadow_timings_are_figures_not_a_verdict(clock: FakeClock) -> None:
+    """Checked calls time both paths for the A/B figures; a compiled path slower in those
+    pairs does not roll back (the speed verdict times live calls: test_speed_verdict.py)."""
     backend = SlowBackend(delay=0.01, sleep=clock.advance)
     g = safe_compile(
         affine,
@@ -245,29 +259,11 @@ def test_slower_than_eager_rolls_back(clock: FakeClock) -> None:
     x = torch.randn(4)
     for _ in range(10):
         g(x)
-    last = g.safecompile.stats().last_rollback
-    assert last is not None
-    assert last.reason == Reason.SLOWER
-    assert g.safecompile.state == State.ROLLED_BACK
-    latency = g.safecompile.stats().extra["latency"]
-    assert latency["pairs"] == 5
-    assert latency["compiled"]["p50"] == pytest.approx(0.01)
-
-
-def test_slower_off_by_default_but_advised(clock: FakeClock) -> None:
-    """Without slower_ratio the guard does not trip, but says once that compiled is slower."""
-    g = safe_compile(
-        affine,
-        backend=SlowBackend(delay=0.01, sleep=clock.advance),
-        shadow=Shadow(canary=2, every=1),
-        rollback=Rollback(slower_min_samples=3),
-        clock=clock,
-    )
-    for _ in range(10):
-        g(torch.randn(4))
+    assert g.safecompile.stats().last_rollback is None
     assert g.safecompile.state == State.COMPILED
-    advisories = [e for e in g.safecompile.events() if "advisory" in (e.message or "")]
-    assert len(advisories) == 1
+    latency = g.safecompile.stats().extra["latency"]
+    assert latency["pairs"] == 9  # the first call compiled: its time is not a run's
+    assert latency["compiled"]["p50"] == pytest.approx(0.01)
 
 
 def test_rollout_routes_exact_share_to_compiled() -> None:

@@ -510,6 +510,22 @@ def test_failed_compile_duration_is_recorded(
     assert (span.end_time - span.start_time) / 1e9 == pytest.approx(failed.duration_s, abs=1e-6)
 
 
+def test_error_type_only_on_failed_compiles(
+    guard: Callable[..., Any], reader: InMemoryMetricReader
+) -> None:
+    """On one meter, a successful compile's duration point has no ``error.type`` attribute
+    at all (not an empty one); a failed compile's has it."""
+    ok = guard(affine, name="tests.ok")
+    broken = guard(branchy, name="tests.broken", fullgraph=True)
+    ok(torch.ones(3))
+    broken(torch.ones(3))
+    points = data_points(reader)["safecompile.compile.duration"]
+    assert sorted(sorted(p.attributes.items()) for p in points) == [
+        [("error.type", "torch._dynamo.exc.Unsupported"), ("safecompile.function", "tests.broken")],
+        [("safecompile.function", "tests.ok")],
+    ]
+
+
 def test_shadow_checks_and_drift_under_a_canary(
     guard: Callable[..., Any], reader: InMemoryMetricReader, exporter: InMemorySpanExporter
 ) -> None:
@@ -658,7 +674,7 @@ def test_tensor_values_never_leave_the_process(
     stdlib(x)
     guarded.append(stdlib)
     records = [r for r in caplog.records if r.name.startswith("safecompile")]
-    assert "safecompile.rollback" in [r.getMessage() for r in records]
+    assert "safecompile.rollback" in [getattr(r, "safecompile_event", None) for r in records]
 
     kinds = {e.kind for g in guarded for e in g.safecompile.events()}
     assert {EventKind.COMPILED, EventKind.COMPILE_FAILED, EventKind.ROLLBACK} <= kinds

@@ -512,11 +512,38 @@ def test_a_broken_meter_leaves_spans_alone(
     assert only_span(exporter, "safecompile.shadow_check") is not None
 
 
-def test_a_malformed_event_never_raises(tel: Telemetry) -> None:
-    """Odd details (not dicts, wrong types) are tolerated."""
-    tel.event(compiled_event(details={"graph_breaks": ["not a dict", {"line": "x"}], "graphs": 1}))
-    tel.event(Event(kind=EventKind.ROLLBACK))
-    tel.shadow_check(passed=True, max_abs=float("inf"), max_rel=float("inf"))
+def test_a_malformed_event_is_still_reported(
+    tel: Telemetry,
+    exporter: InMemorySpanExporter,
+    reader: InMemoryMetricReader,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Odd details (not dicts, wrong types) are tolerated: every sink still reports the
+    event, and no sink fails (``event()`` swallows failures, so they are watched here)."""
+    failures: list[str] = []
+    monkeypatch.setattr(
+        telemetry_module, "report_internal_error", lambda where, exc: failures.append(where)
+    )
+    with structlog.testing.capture_logs() as logs:
+        tel.event(
+            compiled_event(details={"graph_breaks": ["not a dict", {"line": "x"}], "graphs": 1})
+        )
+        tel.event(Event(kind=EventKind.ROLLBACK))
+        tel.shadow_check(passed=True, max_abs=float("inf"), max_rel=float("inf"))
+    assert failures == []
+    assert [e["event"] for e in logs] == ["safecompile.compiled", "safecompile.rollback"]
+    assert logs[0]["graph_breaks"] == 2
+    compile_span = only_span(exporter, "safecompile.compile")
+    assert compile_span.attributes is not None
+    assert compile_span.attributes["safecompile.graph_breaks"] == 2
+    assert [e.name for e in compile_span.events] == ["safecompile.graph_break"] * 2
+    assert only_span(exporter, "safecompile.rollback").attributes is not None
+    found = metrics_by_name(reader)
+    assert {k: p.value for k, p in points(found["safecompile.rollbacks"]).items()} == {
+        (("safecompile.function", FUNCTION), ("safecompile.reason", "unknown")): 1
+    }
+    (check,) = found["safecompile.shadow.checks"].data.data_points
+    assert check.value == 1
 
 
 # ---------------------------------------------------------------- no tensor values
@@ -621,13 +648,18 @@ def test_silent_when_nothing_is_configured(
 def test_stdlib_logging_gets_fields_as_extra(
     tel: Telemetry, caplog: pytest.LogCaptureFixture, unconfigured_structlog: None
 ) -> None:
-    """Without structlog configured, events reach stdlib logging with fields as ``extra``."""
+    """Without structlog configured, events reach stdlib logging with fields as ``extra``
+    and one readable line as the message."""
     caplog.set_level(logging.INFO, logger="safecompile")
     tel.event(rollback_event())
     (record,) = [r for r in caplog.records if r.name == "safecompile"]
-    assert record.getMessage() == "safecompile.rollback"
+    assert record.getMessage() == (
+        "rollback ranker.score [runtime_error]: "
+        "index 7 is out of bounds for dimension 0 with size 3 (at model.py:33)"
+    )
     assert record.levelno == logging.WARNING
     fields = vars(record)
+    assert fields["safecompile_event"] == "safecompile.rollback"
     assert fields["reason"] == "runtime_error"
     assert fields["code_line"] == 33
     assert fields["function"] == FUNCTION
@@ -640,6 +672,6 @@ def test_stdlib_logging_respects_levels(
     caplog.set_level(logging.WARNING, logger="safecompile")
     tel.event(compiled_event())
     tel.event(rollback_event())
-    assert [r.getMessage() for r in caplog.records if r.name == "safecompile"] == [
+    assert [r.safecompile_event for r in caplog.records if r.name == "safecompile"] == [
         "safecompile.rollback"
     ]

@@ -81,4 +81,7 @@ def test_threads_compiling_many_shapes_compile_each_once() -> None:
     stats = g.safecompile.stats()
     assert stats.compiles == 3
     assert backend.compiles == stats.graphs == 3
-    assert stats.calls == 8 * 30 * 3 == stats.compiled_calls + stats.eager_calls
+    assert stats.calls == 8 * 30 * 3  # no call lost or counted twice across threads
+    # each compiled call ran exactly one compiled graph: the guard's count is the backend's
+    assert stats.compiled_calls == backend.runs
+    assert stats.compiled_calls > 0

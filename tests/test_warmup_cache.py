@@ -22,7 +22,7 @@ def test_blocking_warmup_compiles_every_bucket_before_traffic() -> None:
     g = safe_compile(
         scale,
         backend=backend,
-        buckets=Buckets(dims={"x": 1}, sizes=sizes),
+        buckets=Buckets(dims={"x": 1}, sizes=sizes, strategy="pad"),
         warmup=Warmup(inputs=[(torch.randn(2, 10),)]),
     )
     assert backend.compiles == len(sizes)

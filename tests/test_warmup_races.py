@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 import torch
 
@@ -11,17 +10,20 @@ from safecompile import Buckets, Warmup, pow2, safe_compile
 from safecompile.testing import RecordingBackend
 
 
-class SlowRecording(RecordingBackend):
-    """Records graphs, taking a while per compile, and the threads that compiled them."""
+class GatedRecording(RecordingBackend):
+    """Records graphs and the threads that compiled them; every compile waits for ``go``."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.seconds = seconds
         self.threads: list[int] = []
+        self.entered = threading.Event()
+        self.go = threading.Event()
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list[object]):  # type: ignore[no-untyped-def]
         self.threads.append(threading.get_ident())
-        time.sleep(self.seconds)
+        self.entered.set()
+        if not self.go.wait(20):
+            raise TimeoutError("the test never let the compile finish")
         return gm.forward
 
 
@@ -31,20 +33,29 @@ def double(x: torch.Tensor) -> torch.Tensor:
 
 def test_background_warmup_under_traffic_compiles_every_bucket_off_the_request_path() -> None:
     """Live calls during a background warmup run eager and never start a compile; the
-    warmup compiles every bucket even while traffic arrives, so wait_warm() means warm."""
-    backend = SlowRecording(0.05)
+    warmup compiles every bucket even while traffic arrives, so wait_warm() means warm.
+
+    The warmup's first compile is held until the traffic has been served, so the traffic
+    really arrives while the warmup is in flight.
+    """
+    backend = GatedRecording()
     sizes = pow2(16, 128)
     g = safe_compile(
         double,
         backend=backend,
         shadow=None,
-        buckets=Buckets(dims={"x": 1}, sizes=sizes),
+        buckets=Buckets(dims={"x": 1}, sizes=sizes, strategy="pad"),  # a graph per size
         warmup=Warmup(inputs=[(torch.randn(2, 20),)], background=True),
     )
+    assert backend.entered.wait(60)  # the warmup is compiling its first bucket, held there
     x = torch.randn(2, 100)
-    while not g.safecompile.wait_warm(0):
+    for _ in range(5):
         torch.testing.assert_close(g(x), x * 2)
-        time.sleep(0.001)
+    assert not g.safecompile.wait_warm(0)  # the traffic arrived during the warmup
+    assert backend.compiles == 1  # the held compile only: live calls started none
+    assert g.safecompile.stats().eager_calls == 5
+    backend.go.set()
+    assert g.safecompile.wait_warm(60)
     assert backend.compiles == len(sizes)
     assert threading.get_ident() not in backend.threads
     g(x)

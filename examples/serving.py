@@ -1,0 +1,231 @@
+"""A small HTTP service: variable-length requests through a bucketed, shadowed model.
+
+Needs the ``examples`` extra (FastAPI, uvicorn, the OpenTelemetry SDK and its Prometheus
+exporter)::
+
+    pip install -e '.[examples]'
+    python examples/serving.py                      # http://127.0.0.1:8000, inductor
+    python examples/serving.py --backend aot_eager  # quick compiles, no C++ compiler
+
+(``--backend`` defaults to ``$SAFECOMPILE_EXAMPLE_BACKEND`` when set, else ``inductor``.)
+Then, from another terminal::
+
+    curl -s localhost:8000/score --json '{"tokens": [5, 17, 42]}'  # one score per token
+    curl -s localhost:8000/status                                # warm yet? the report
+    curl -s localhost:8000/fault --json '{"kind": "error"}'      # compiled code now fails
+    curl -s localhost:8000/score --json '{"tokens": [5, 17, 42]}'  # same scores, by eager
+    curl -s localhost:8000/status | grep -o '"state":"[a-z_]*"'  # "rolled_back"
+    curl -s localhost:8000/killswitch --json '{"on": true}'      # state "disabled"
+    curl -s localhost:8000/metrics | grep '^safecompile_'        # the Prometheus scrape
+    curl -s -X POST localhost:8000/reset                         # no fault, compile again
+
+(``--json`` needs curl 7.82 or later; else ``-H 'content-type: application/json' -d``.)
+
+The model tags each token of a request with a score. Requests of any length up to 128
+tokens are padded to the next power of two (``Buckets``), so at most 5 graphs are ever
+compiled, one per bucket, all of them in the background at start-up (``Warmup``) while
+eager answers; longer requests run eager. Each graph's first calls, then one call in 8,
+are compared with eager before the answer goes out (``Shadow(mode="sync")``).
+
+``POST /fault`` makes the compiled code fail (``{"kind": "error"}``) or drift by 1%
+(``{"kind": "drift"}``), to watch a live rollback: an error is answered by eager at once;
+drift is caught at the next checked call (on a graph still in its canary, the next call),
+and a checked call never returns the drifted value. Either way the model rolls back to
+eager (state ``rolled_back``) and the event names the reason and the model's source line.
+The kill switch is ``POST /killswitch`` here (``safecompile.disable()``), or
+``SAFECOMPILE_DISABLE=serving.*`` in the environment at start (which ``/killswitch`` cannot
+turn off); ``GET /metrics`` is the Prometheus scrape.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
+
+import torch
+from _common import add_backend_option, log_events, needs_extra
+from torch import nn
+from torch.utils import _pytree as pytree
+
+with needs_extra("examples"):
+    import uvicorn
+    from _metrics import exposition, prometheus_meter_provider
+    from fastapi import FastAPI, Response
+    from pydantic import BaseModel, Field
+
+import safecompile
+from safecompile import Buckets, Rollback, Shadow, Warmup, pow2, safe_compile
+
+NAME = "serving.tagger"
+VOCAB = 1000
+MAX_TOKENS = 128  # the largest bucket; longer requests run eager
+
+
+class Tagger(nn.Module):
+    """Scores every token of a sequence in the context of the whole (unpadded) sequence."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(2 * dim, dim)
+        self.out = nn.Linear(dim, 1)
+
+    def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)  # (batch, seq, dim)
+        keep = mask.unsqueeze(-1).to(h.dtype)  # padding positions are 0
+        context = (h * keep).sum(1, keepdim=True) / keep.sum(1, keepdim=True)
+        h = torch.relu(self.mix(torch.cat([h, context.expand_as(h)], dim=-1)))
+        scores: torch.Tensor = self.out(h).squeeze(-1)  # (batch, seq)
+        return scores
+
+
+def build_model(seed: int = 0) -> Tagger:
+    """The served model, with weights fixed by ``seed``."""
+    torch.manual_seed(seed)
+    return Tagger().eval()
+
+
+def encode(tokens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request's tokens as the model's ``(tokens, mask)`` batch of one."""
+    ids = torch.tensor([tokens], dtype=torch.long)
+    return ids, torch.ones_like(ids, dtype=torch.bool)
+
+
+class FaultSwitch:
+    """A ``torch.compile`` backend: a real one whose compiled code fails or drifts on request.
+
+    ``fault`` is read on every run of every compiled graph, so setting it takes effect at
+    once, without a recompile: ``"error"`` raises, ``"drift"`` scales outputs by 1.01.
+    """
+
+    def __init__(self, backend: str) -> None:
+        # lookup_backend turns a name into the compiler torch.compile(backend=name) uses.
+        self.inner = torch._dynamo.lookup_backend(backend)
+        self.fault: Literal["error", "drift"] | None = None
+        self.__name__ = backend  # the label events, spans and metrics show
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        compiled = self.inner(gm, example_inputs)
+
+        def run(*args: Any) -> Any:
+            if self.fault == "error":
+                raise RuntimeError("injected fault: the compiled code failed")
+            out = compiled(*args)
+            if self.fault == "drift":
+                out = pytree.tree_map_only(torch.Tensor, self._drift, out)
+            return out
+
+        return run
+
+    @staticmethod
+    def _drift(t: torch.Tensor) -> torch.Tensor:
+        return t * 1.01 if t.is_floating_point() else t
+
+
+class ScoreRequest(BaseModel):
+    """One sequence of token ids, of any length."""
+
+    tokens: list[Annotated[int, Field(ge=0, lt=VOCAB)]] = Field(min_length=1)
+
+
+class FaultRequest(BaseModel):
+    """The fault the compiled code shows from now on (``null``: none)."""
+
+    kind: Literal["error", "drift"] | None
+
+
+class SwitchRequest(BaseModel):
+    """``on``: the kill switch is on, the model runs eager."""
+
+    on: bool
+
+
+def create_app(backend: str = "inductor") -> FastAPI:
+    """The service: the guarded model and its endpoints."""
+    faults = FaultSwitch(backend)
+    # Warmup compiles under the grad mode of this line, and torch compiles one graph per
+    # grad mode: decorate under the no_grad() the requests run in, or warmup is wasted.
+    with torch.no_grad():
+        model = safe_compile(
+            build_model(),
+            name=NAME,
+            backend=faults,
+            dynamic=False,  # static shapes: one graph per bucket, as CUDA graphs want
+            buckets=Buckets(dims={"tokens": 1, "mask": 1}, sizes=pow2(8, MAX_TOKENS)),
+            warmup=Warmup(inputs=[encode(list(range(8)))], background=True),
+            shadow=Shadow(canary=2, every=8, mode="sync"),
+            rollback=Rollback(retry_after=None),  # stay on eager after a trip, until /reset
+            meter_provider=prometheus_meter_provider(),
+        )
+    controller = model.safecompile
+    lock = threading.Lock()  # one request changes the switches at a time
+    app = FastAPI(title="safecompile serving example")
+
+    @app.post("/score")
+    def score(request: ScoreRequest) -> dict[str, Any]:
+        """One score per token; eager's answer whenever the compiled path cannot be trusted."""
+        with torch.no_grad():
+            scores = model(*encode(request.tokens))
+        return {"scores": scores[0].tolist(), "state": controller.state.value}
+
+    @app.get("/status")
+    def status() -> dict[str, Any]:
+        """The controller's report (state, stats, graphs, buckets, events), and ``warm``:
+        whether the start-up warmup has finished (until then, eager answers every call)."""
+        return {"warm": controller.wait_warm(timeout=0), **controller.report()}
+
+    @app.post("/fault")
+    def fault(request: FaultRequest) -> dict[str, Any]:
+        """Make the compiled code fail or drift from its next run on."""
+        with lock:
+            faults.fault = request.kind
+        return {"fault": faults.fault, "state": controller.state.value}
+
+    @app.post("/killswitch")
+    def killswitch(request: SwitchRequest) -> dict[str, Any]:
+        """Turn the model's compiled path off (eager serves) or back on."""
+        with lock:
+            if request.on:
+                safecompile.disable(NAME)
+            else:
+                safecompile.enable()
+        with torch.no_grad():  # the switch is read at the next call: make one
+            model(*encode([0]))
+        return {"killswitch": request.on, "state": controller.state.value}
+
+    @app.post("/reset")
+    def reset() -> dict[str, Any]:
+        """No fault, kill switch off, trips and graphs forgotten: compile again."""
+        with lock:
+            faults.fault = None
+            safecompile.enable()
+            controller.reset()
+        return {"reset": True}  # the next call of each bucket compiles it again
+
+    @app.get("/metrics")
+    def metrics() -> Response:
+        """The Prometheus scrape (OpenTelemetry metrics through its Prometheus exporter)."""
+        return Response(exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    return app
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    add_backend_option(parser, "inductor")
+    args = parser.parse_args(argv)
+
+    log_events(sys.stderr)  # compiled, rollback, disabled...: one line per state change
+    app = create_app(args.backend)
+    print(f"serving {NAME} on http://{args.host}:{args.port} ({args.backend})", file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,384 @@
+"""The doctor's readiness report as one self-contained HTML page, with plots.
+
+The page reads top-down: the verdict, the checklist, latency per example shape (eager
+against compiled, p50 and p99), compile time per graph, recompiles over the shape sweep,
+graph breaks with ``file:line``, then settings and versions. Plots are PNG images made by
+matplotlib and embedded as base64 data URIs: the page loads no external asset.
+
+matplotlib is optional (the ``html`` extra) and imported here only, when a page is
+rendered; the text and JSON reports never need it. Every string that comes from the
+report (labels, messages, source lines, paths) is escaped.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+
+    from .doctor import Check, Report
+
+__all__ = ["INSTALL_HINT", "available", "render_html"]
+
+INSTALL_HINT = "pip install 'safecompile[html]'"
+"""What to run when matplotlib is missing."""
+
+_COLORS = {"eager": "#8c8c8c", "compiled": "#1f77b4", "example": "#1f77b4", "sweep": "#ff7f0e"}
+_DARKER = {"example": "#0b4f80", "sweep": "#b35600"}
+_PATH_COLORS = {
+    "compiled": "#2ca02c",
+    "eager": "#8c8c8c",
+    "failed": "#d62728",
+    "skipped": "#bbbbbb",
+}
+_TAGS = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "skip": "SKIP"}
+_LABEL_CHARS = 48  # plot labels longer than this are cut
+_MAX_GRAPHS_PLOTTED = 40
+
+
+def available() -> bool:
+    """Whether matplotlib can be imported (so :func:`render_html` can draw)."""
+    try:
+        import matplotlib.figure  # noqa: F401, PLC0415 - optional, imported on demand
+    except ImportError:
+        return False
+    return True
+
+
+def render_html(report: Report) -> str:
+    """The report as one HTML page (a ``str``). Raises ``ImportError`` without matplotlib."""
+    try:
+        from matplotlib.figure import Figure  # noqa: PLC0415 - optional, imported on demand
+    except ImportError as exc:
+        raise ImportError(f"the HTML report needs matplotlib: {INSTALL_HINT}") from exc
+    sections = [
+        _verdict(report),
+        _checklist(report.checks),
+        _latency(report, Figure),
+        _compile_times(report, Figure),
+        _recompiles(report, Figure),
+        _graph_breaks(report),
+        _settings(report),
+    ]
+    title = f"safecompile doctor: {report.name}"
+    return _PAGE.format(title=_e(title), css=_CSS, body="\n".join(sections))
+
+
+# ---------------------------------------------------------------------------- sections
+
+
+def _verdict(r: Report) -> str:
+    ready = r.ready
+    counts = {s: sum(c.status == s for c in r.checks) for s in _TAGS}
+    said = ", ".join(f"{n} {_TAGS[s].lower()}" for s, n in counts.items() if n)
+    return (
+        '<section id="verdict">\n'
+        f'<h1 class="{"ready" if ready else "not-ready"}">'
+        f"{'READY' if ready else 'NOT READY'}</h1>\n"
+        f'<p class="counts">{_e(said)}</p>\n'
+        "<dl>"
+        f"<dt>target</dt><dd><code>{_e(r.target)}</code></dd>"
+        f"<dt>callable</dt><dd>{_e(r.kind)} <code>{_e(r.name)}</code></dd>"
+        f"<dt>backend</dt><dd><code>{_e(r.settings.get('backend'))}</code>"
+        f"{' (quick: no sweep, no timing)' if r.quick else ''}</dd>"
+        "</dl>\n</section>"
+    )
+
+
+def _checklist(checks: Sequence[Check]) -> str:
+    rows = []
+    for c in checks:
+        details = "".join(f"<li><code>{_e(line)}</code></li>" for line in c.lines)
+        rows.append(
+            f'<tr class="{c.status}"><td class="tag">{_TAGS[c.status]}</td>'
+            f"<th>{_e(c.title)}</th><td>{_e(c.summary)}"
+            + (f"<ul>{details}</ul>" if details else "")
+            + (f'<p class="advice">what to do: {_e(c.advice)}</p>' if c.status != "skip" else "")
+            + "</td></tr>"
+        )
+    return (
+        '<section id="checklist">\n<h2>Checklist</h2>\n'
+        f'<table class="checks">{"".join(rows)}</table>\n</section>'
+    )
+
+
+def _latency(r: Report, figure: type[Figure]) -> str:
+    head = (
+        '<section id="latency">\n<h2>Latency per example shape</h2>\n'
+        "<p>Per-call time of each example, eager and compiled (through the guard), measured in "
+        "interleaved samples; p50 is the median sample, p99 the 99th percentile (each sample "
+        "averages several calls, so p99 is of those averages, not of single calls).</p>\n"
+    )
+    if not r.timing:
+        why = "skipped (--quick)" if r.quick else "not measured: a compile failed"
+        return head + f'<p class="none">{_e(why)}</p>\n</section>'
+    labels = [t.label for t in r.timing]
+    series: dict[str, list[tuple[float | None, float | None]]] = {
+        "eager": [(t.eager_s, t.eager_p99_s) for t in r.timing],
+        "compiled": [(t.compiled_s, t.compiled_p99_s) for t in r.timing],
+    }
+
+    known = [x for values in series.values() for pair in values for x in pair if x is not None]
+    scale, unit = _time_unit(max(known, default=0.0))
+
+    def draw(ax: Axes) -> None:
+        width = 0.38
+        for k, (path, values) in enumerate(series.items()):
+            xs = [i + (k - 0.5) * width for i in range(len(labels))]
+            p50 = [scale * v[0] if v[0] is not None else 0.0 for v in values]
+            p99 = [
+                scale * v[1] if v[1] is not None else p for v, p in zip(values, p50, strict=True)
+            ]
+            ax.bar(xs, p50, width, label=f"{path} p50", color=_COLORS[path])
+            ax.scatter(xs, p99, marker="_", s=300, color="black", zorder=3)
+            ax.vlines(xs, p50, p99, color="black", linewidth=1)
+        ax.scatter([], [], marker="_", color="black", label="p99")
+        ax.set_xticks(range(len(labels)), [_cut(x) for x in labels], rotation=15, ha="right")
+        ax.set_ylabel(f"{unit} per call")
+        ax.legend(loc="upper left", fontsize="small")
+
+    image = _plot(figure, draw, (7.0, 3.4), "Latency per example: eager and compiled, p50 and p99")
+    rows = "".join(
+        f"<tr><td><code>{_e(t.label)}</code></td><td>{_ms(t.eager_s)}</td>"
+        f"<td>{_ms(t.eager_p99_s)}</td><td>{_ms(t.compiled_s)}</td>"
+        f"<td>{_ms(t.compiled_p99_s)}</td>"
+        f"<td>{'-' if t.ratio is None else f'{t.ratio:.2f}x'}"
+        f"{' (noisy)' if t.noisy else ''}</td>"
+        f"<td>{t.samples} x {t.calls_per_sample}</td></tr>"
+        for t in r.timing
+    )
+    table = (
+        "<table><tr><th>example</th><th>eager p50</th><th>eager p99</th><th>compiled p50</th>"
+        "<th>compiled p99</th><th>compiled / eager</th><th>samples x calls</th></tr>"
+        f"{rows}</table>"
+    )
+    return head + image + table + "\n</section>"
+
+
+def _compile_times(r: Report, figure: type[Figure]) -> str:
+    head = (
+        '<section id="compile-time">\n<h2>Compile time per graph</h2>\n'
+        "<p>The first call of each shape: one dark segment per graph the backend compiled for "
+        "it (its compile time), then the rest of that first call in grey (dynamo tracing, the "
+        "guard, one run). A replica pays this on its first requests unless it warms up.</p>\n"
+    )
+    calls = list(enumerate((*r.examples, *r.sweep), start=1))
+    drawn = [(i, c) for i, c in calls if c.graph_s][:_MAX_GRAPHS_PLOTTED]
+    if drawn:
+        scale, unit = _time_unit(max(c.seconds or c.backend_s for _, c in drawn))
+
+        def draw(ax: Axes) -> None:
+            for y, (_, c) in enumerate(drawn):
+                left = 0.0
+                for k, seconds in enumerate(c.graph_s):
+                    shade = _COLORS[c.role] if k % 2 == 0 else _DARKER[c.role]
+                    ax.barh(y, seconds * scale, left=left, color=shade, edgecolor="white")
+                    left += seconds * scale
+                rest = max(0.0, (c.seconds or 0.0) * scale - left)
+                ax.barh(y, rest, left=left, color=_COLORS["eager"], alpha=0.45)
+            labels = [f"#{i} {_cut(c.label)} ({_graphs(c.graphs)})" for i, c in drawn]
+            ax.set_yticks(range(len(drawn)), labels, fontsize="small")
+            ax.invert_yaxis()
+            ax.set_xlabel(f"first call ({unit}): backend compile per graph, then the rest")
+            from matplotlib.patches import Patch  # noqa: PLC0415 - optional, on demand
+
+            handles = [
+                Patch(color=_COLORS[role], label=f"{role}: a graph compiling")
+                for role in ("example", "sweep")
+                if any(c.role == role for _, c in drawn)
+            ]
+            handles.append(Patch(color=_COLORS["eager"], alpha=0.45, label="the rest"))
+            ax.legend(handles=handles, loc="lower right", fontsize="small")
+
+        height = 1.4 + 0.32 * len(drawn)
+        image = _plot(figure, draw, (7.0, height), "Compile time of each graph, per first call")
+    else:
+        image = '<p class="none">no graph was compiled</p>'
+    rows = "".join(
+        f"<tr><td>{i}</td><td>{_e(c.role)}</td><td><code>{_e(c.label)}</code></td>"
+        f"<td>{_e(c.path)}</td><td>{c.graphs}</td><td>{_secs(c.seconds)}</td>"
+        f"<td>{_e(', '.join(_secs(s) for s in c.graph_s))}</td><td>{_e(c.note or '')}</td></tr>"
+        for i, c in calls
+    )
+    table = (
+        "<table><tr><th>#</th><th>role</th><th>shape</th><th>served</th><th>graphs</th>"
+        "<th>first call</th><th>backend, per graph</th><th>note</th></tr>"
+        f"{rows}</table>"
+    )
+    return head + image + table + "\n</section>"
+
+
+def _recompiles(r: Report, figure: type[Figure]) -> str:
+    limit = r.thresholds.max_recompiles
+    head = (
+        '<section id="recompiles">\n<h2>Recompiles over the shape sweep</h2>\n'
+        "<p>Graphs compiled so far, shape after shape (numbered as in the table above): the "
+        f"examples first, then the sweep ({_e(r.sweep_plan or 'none')}). Past the limit "
+        f"({limit}) new shapes run eager.</p>\n"
+    )
+    calls = [(i, c) for i, c in enumerate((*r.examples, *r.sweep), start=1) if c.path != "skipped"]
+    if not r.sweep or not calls:
+        return head + f'<p class="none">{_e(r.sweep_plan or "no sweep")}</p>\n</section>'
+    totals = list(_running_total(c.graphs for _, c in calls))
+
+    def draw(ax: Axes) -> None:
+        xs = [i for i, _ in calls]
+        ax.step(xs, totals, where="post", color=_COLORS["compiled"])
+        ax.scatter(xs, totals, color=[_PATH_COLORS[c.path] for _, c in calls], zorder=3)
+        ax.axhline(limit, color="#d62728", linestyle="--", linewidth=1, label=f"limit {limit}")
+        ax.set_xticks(xs)
+        ax.set_xlabel("shape #")
+        ax.set_ylabel("graphs compiled")
+        ax.set_ylim(0, max(limit, *totals) + 1)
+        for path, color in _PATH_COLORS.items():
+            if any(c.path == path for _, c in calls):
+                ax.scatter([], [], color=color, label=f"served {path}")
+        ax.legend(loc="lower right", fontsize="small")
+
+    image = _plot(figure, draw, (7.0, 3.2), "Graphs compiled over the shape sweep")
+    stopped = f"<p>{_e(r.sweep_stopped)}</p>" if r.sweep_stopped else ""
+    return head + image + stopped + "\n</section>"
+
+
+def _graph_breaks(r: Report) -> str:
+    head = '<section id="graph-breaks">\n<h2>Graph breaks</h2>\n'
+    if not r.graph_breaks:
+        return head + f'<p class="none">none in {r.graphs} graph(s)</p>\n</section>'
+    rows = []
+    for b in r.graph_breaks:
+        where = _where(b.get("file"), b.get("line"), b.get("function"))
+        reason = str(b.get("reason") or "")
+        source = b.get("source")
+        rows.append(
+            f"<tr><td><code>{_e(where)}</code>"
+            + (f"<pre>{_e(b.get('line'))} | {_e(source)}</pre>" if source else "")
+            + f"</td><td><pre>{_e(reason.strip())}</pre></td></tr>"
+        )
+    return (
+        head + "<table><tr><th>where</th><th>why (dynamo's reason)</th></tr>"
+        f"{''.join(rows)}</table>\n</section>"
+    )
+
+
+def _settings(r: Report) -> str:
+    settings = "".join(
+        f"<dt>{_e(k)}</dt><dd><code>{_e(v)}</code></dd>" for k, v in r.settings.items()
+    )
+    versions = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in r.versions.items())
+    return (
+        '<section id="versions">\n<h2>Settings and versions</h2>\n'
+        f"<dl>{settings}<dt>max_recompiles</dt><dd>{r.thresholds.max_recompiles}</dd></dl>\n"
+        f"<dl>{versions}</dl>\n</section>"
+    )
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _plot(
+    figure: type[Figure], draw: Callable[[Axes], None], size: tuple[float, float], alt: str
+) -> str:
+    """Draw one figure (without pyplot: no global state) as an ``<img>`` with a data URI."""
+    from matplotlib import rc_context  # noqa: PLC0415 - optional, imported on demand
+
+    with rc_context({"text.parse_math": False, "font.size": 9}):  # "$" in a label is text
+        fig = figure(figsize=size, dpi=100, layout="constrained")
+        draw(fig.subplots())
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png")
+    data = base64.b64encode(buffer.getvalue()).decode("ascii")
+    return f'<img alt="{_e(alt)}" src="data:image/png;base64,{data}">\n'
+
+
+def _running_total(values: Iterable[int]) -> Iterable[int]:
+    total = 0
+    for v in values:
+        total += v
+        yield total
+
+
+def _e(value: object) -> str:
+    return html.escape("" if value is None else str(value), quote=True)
+
+
+def _cut(text: str, limit: int = _LABEL_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+
+
+def _where(file: Any, line: Any, function: Any) -> str:
+    if not isinstance(file, str):
+        return "(unknown location)"
+    return (
+        file
+        + (f":{line}" if isinstance(line, int) else "")
+        + (f" in {function}" if function else "")
+    )
+
+
+def _graphs(n: int) -> str:
+    return f"{n} graph{'' if n == 1 else 's'}"
+
+
+def _time_unit(largest: float) -> tuple[float, str]:
+    """A scale and unit name for times up to ``largest`` seconds."""
+    if largest >= 1.0:
+        return 1.0, "s"
+    if largest >= 1e-3:
+        return 1e3, "ms"
+    return 1e6, "us"
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3g} ms"
+
+
+def _secs(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    return f"{seconds:.3g} s" if seconds >= 1.0 else f"{seconds * 1e3:.3g} ms"
+
+
+_PAGE = """<!DOCTYPE html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{title}</title>
+<style>{css}</style>
+</head>
+<body>
+<main>
+{body}
+</main>
+</body>
+</html>
+"""
+
+_CSS = """
+body { font: 15px/1.45 system-ui, -apple-system, "Segoe UI", sans-serif; color: #222;
+  margin: 0; background: #fafafa; }
+main { max-width: 60rem; margin: 0 auto; padding: 1.5rem; background: #fff; }
+h1 { margin: 0 0 .3rem; font-size: 2rem; }
+h1.ready { color: #1a7f37; } h1.not-ready { color: #c62828; }
+h2 { border-bottom: 1px solid #ddd; padding-bottom: .2rem; margin-top: 2rem; }
+table { border-collapse: collapse; width: 100%; margin: .6rem 0; font-size: .9rem; }
+td, th { border: 1px solid #e3e3e3; padding: .3rem .5rem; text-align: left;
+  vertical-align: top; }
+table.checks th { white-space: nowrap; }
+td.tag { font-weight: 700; font-family: ui-monospace, monospace; }
+tr.pass td.tag { color: #1a7f37; } tr.warn td.tag { color: #9a6700; }
+tr.fail td.tag { color: #c62828; } tr.skip td.tag { color: #777; }
+ul { margin: .3rem 0; padding-left: 1.2rem; }
+pre { margin: .2rem 0; white-space: pre-wrap; font-size: .85rem; }
+.advice { margin: .3rem 0 0; color: #555; }
+.none { color: #777; font-style: italic; }
+dl { display: grid; grid-template-columns: max-content auto; gap: .1rem 1rem; }
+dt { font-weight: 600; } dd { margin: 0; }
+img { max-width: 100%; height: auto; display: block; margin: .5rem 0; }
+"""

@@ -1,0 +1,309 @@
+"""The fleet kill switch: a watched file or Redis key, polled off the hot path.
+
+``SAFECOMPILE_DISABLE_SOURCE`` names the source (read at each decoration and at each
+poll):
+
+- ``file:///etc/safecompile/disable`` or an absolute path: the file's text;
+- ``redis://host:port/db#key`` (``rediss://``, ``unix:///path.sock?db=0#key``): the
+  key's string value; without ``#key`` the key is ``safecompile:disable``.
+
+The text says what ``SAFECOMPILE_DISABLE`` says (``1``/``all`` for everything, ``0`` or
+empty for nothing, else names and globs, :func:`safecompile._killswitch.parse`); lines
+are joined by commas and ``#`` comment lines dropped, so a file may list one name a
+line. A missing file or key means enabled (delete it to switch back on). A source that
+cannot be read (unreadable file, Redis down or hanging, a value over 64 KiB) keeps the
+last value read, with one warning event per outage; it never reaches a call.
+
+One daemon thread polls every ``SAFECOMPILE_DISABLE_POLL`` seconds (default 2; read at
+each poll). A new value is handed to :func:`safecompile._killswitch.set_watched`, which
+bumps the switch's generation: the hot path already compares that number on every call,
+so a running callable turns ``disabled`` (or back) at its next call, at no added cost
+per call.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import threading
+import urllib.parse
+from pathlib import Path
+from typing import Protocol
+
+from . import _killswitch as ks
+from ._log import log_event
+from ._remote import RedisLink, RemoteUnavailableError, parse_url, redacted
+
+__all__ = [
+    "DEFAULT_KEY",
+    "DEFAULT_POLL_S",
+    "POLL_ENV_VAR",
+    "SOURCE_ENV_VAR",
+    "WATCHER",
+    "FileSource",
+    "RedisKeySource",
+    "Source",
+    "SourceError",
+    "Watcher",
+    "open_source",
+    "poll_interval",
+    "rule_of",
+    "watch",
+]
+
+SOURCE_ENV_VAR = "SAFECOMPILE_DISABLE_SOURCE"
+POLL_ENV_VAR = "SAFECOMPILE_DISABLE_POLL"
+DEFAULT_POLL_S = 2.0
+MIN_POLL_S = 0.01
+MAX_POLL_S = 3600.0
+DEFAULT_KEY = "safecompile:disable"
+MAX_BYTES = 64 * 1024
+
+
+class SourceError(Exception):
+    """The watched source could not be read this time (the last value is kept)."""
+
+
+class Source(Protocol):
+    """Something that holds the fleet's kill-switch text."""
+
+    label: str  # for log events (no password)
+
+    def read(self) -> str | None:
+        """The text, ``None`` when absent (enabled); :class:`SourceError` if unreadable."""
+        ...
+
+
+class FileSource:
+    """A file's text (missing: ``None``)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.label = f"file://{path}"
+
+    def read(self) -> str | None:
+        try:
+            with self.path.open("rb") as f:
+                data = f.read(MAX_BYTES + 1)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise SourceError(f"{type(exc).__name__}: {exc}") from None
+        return _decoded(data)
+
+
+class RedisKeySource:
+    """A Redis string key's value (missing: ``None``), through a quiet :class:`RedisLink`
+    that retries at every poll."""
+
+    def __init__(self, url: str, key: str) -> None:
+        self.link = RedisLink(url, purpose="kill switch", retry_after=0.0, quiet=True)
+        self.key = key
+        self.label = f"{redacted(url)}#{key}"
+
+    def read(self) -> str | None:
+        try:
+            value = self.link.run(lambda r: r.get(self.key))
+        except RemoteUnavailableError as exc:
+            raise SourceError(str(exc) or "Redis unavailable") from None
+        if value is None:
+            return None
+        if not isinstance(value, bytes):
+            raise SourceError(f"not a string value: {type(value).__name__}")
+        return _decoded(value)
+
+
+def _decoded(data: bytes) -> str:
+    if len(data) > MAX_BYTES:
+        raise SourceError(f"larger than {MAX_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise SourceError(f"not UTF-8: {exc}") from None
+
+
+def open_source(spec: str) -> Source:
+    """The source ``spec`` names (see the module doc); ``ValueError`` if it names none."""
+    text = spec.strip()
+    parts = urllib.parse.urlsplit(text)
+    if parts.scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise ValueError(f"{text!r}: a file:// URL names a local file (file:///path)")
+        path = urllib.parse.unquote(parts.path)
+        if not path:
+            raise ValueError(f"{text!r}: no path")
+        return FileSource(Path(path))
+    if parts.scheme in ("redis", "rediss", "unix"):
+        key = urllib.parse.unquote(parts.fragment) or DEFAULT_KEY
+        return RedisKeySource(parse_url(urllib.parse.urlunsplit(parts._replace(fragment=""))), key)
+    if os.path.isabs(text):
+        return FileSource(Path(text))
+    raise ValueError(
+        f"{redacted(text)!r}: expected file:///path, an absolute path, or redis://host:port/db#key"
+    )
+
+
+def rule_of(text: str | None) -> ks.Rule:
+    """What the source's text disables: the kill switch's syntax, one entry a line allowed,
+    ``#`` comment lines ignored; ``None`` (absent) disables nothing."""
+    if text is None:
+        return ks.NOTHING
+    lines = (line.strip() for line in text.splitlines())
+    return ks.parse(",".join(line for line in lines if line and not line.startswith("#")))
+
+
+def poll_interval(value: str | None) -> float:
+    """``SAFECOMPILE_DISABLE_POLL`` in seconds (clamped to [0.01, 3600]); ``ValueError``
+    when it is not a number. Unset or empty: the default (2 s)."""
+    if value is None or not value.strip():
+        return DEFAULT_POLL_S
+    seconds = float(value)
+    if math.isnan(seconds):
+        raise ValueError(f"{POLL_ENV_VAR}={value!r} is not a number")
+    return min(max(seconds, MIN_POLL_S), MAX_POLL_S)
+
+
+def _describe(rule: ks.Rule) -> str:
+    if rule.everything:
+        return "all"
+    return ",".join(rule.patterns) or "nothing"
+
+
+class Watcher:
+    """Polls the source ``SAFECOMPILE_DISABLE_SOURCE`` names; one daemon thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._poll_lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._spec: str | None = None
+        self._source: Source | None = None
+        self._failing: str | None = None  # the outage being reported, if any
+        self._warned: set[str] = set()
+        self.polls = 0  # reads done (for tests and reports)
+
+    def poll(self) -> ks.Rule:
+        """Read the source once and apply what it says; the rule in force. Never raises."""
+        with self._poll_lock:
+            try:
+                self._poll()
+            except Exception as exc:  # the watcher must outlive anything
+                self._failed(redacted(self._spec or ""), f"{type(exc).__name__}: {exc}")
+            self.polls += 1
+            return ks.SWITCH.watched
+
+    def _poll(self) -> None:
+        spec = os.environ.get(SOURCE_ENV_VAR, "").strip() or None
+        if spec != self._spec:
+            self._spec, self._source, self._failing = spec, None, None
+            if spec is not None:
+                try:
+                    self._source = open_source(spec)
+                except ValueError as exc:
+                    self._warn_once(f"{SOURCE_ENV_VAR} names no source: {exc}")
+        if spec is None:
+            self._apply(ks.NOTHING, "unset")
+            return
+        if self._source is None:
+            return  # an invalid spec: keep what was in force
+        try:
+            text = self._source.read()
+        except SourceError as exc:
+            self._failed(self._source.label, str(exc))
+            return
+        if self._failing is not None:
+            self._failing = None
+            log_event("safecompile.disable_source_restored", source=self._source.label)
+        self._apply(rule_of(text), self._source.label)
+
+    def _apply(self, rule: ks.Rule, label: str) -> None:
+        if ks.set_watched(rule):
+            log_event("safecompile.disable_source_changed", source=label, disabled=_describe(rule))
+
+    def _failed(self, label: str, reason: str) -> None:
+        if self._failing is not None:
+            return
+        self._failing = reason
+        log_event(
+            "safecompile.disable_source_error",
+            level=logging.WARNING,
+            source=label,
+            reason=reason[:300],
+            keeping=_describe(ks.SWITCH.watched),
+        )
+
+    def _warn_once(self, reason: str) -> None:
+        if reason in self._warned:
+            return
+        self._warned.add(reason)
+        log_event("safecompile.disable_source_invalid", level=logging.WARNING, reason=reason)
+
+    def interval(self) -> float:
+        """The poll interval now (``SAFECOMPILE_DISABLE_POLL``; a bad value: the default,
+        one warning)."""
+        try:
+            return poll_interval(os.environ.get(POLL_ENV_VAR))
+        except ValueError:
+            self._warn_once(f"{POLL_ENV_VAR} is not a number of seconds; polling every 2 s")
+            return DEFAULT_POLL_S
+
+    @property
+    def running(self) -> bool:
+        """Whether the polling thread runs."""
+        thread = self._thread
+        return thread is not None and thread.is_alive()
+
+    def start(self) -> None:
+        """Read the source now, then poll on a daemon thread (idempotent)."""
+        with self._lock:
+            if self.running:
+                return
+            self._stop = threading.Event()
+            self.poll()
+            thread = threading.Thread(
+                target=self._run, args=(self._stop,), name="safecompile-disable-source", daemon=True
+            )
+            thread.start()
+            self._thread = thread
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop polling (the rule in force stays; :meth:`reset` clears it)."""
+        with self._lock:
+            thread, self._thread = self._thread, None
+            self._stop.set()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
+    def reset(self) -> None:
+        """Stop, forget the source, and clear what it disabled (for tests)."""
+        self.stop()
+        with self._poll_lock:
+            self._spec, self._source, self._failing = None, None, None
+            self._warned.clear()
+        ks.set_watched(ks.NOTHING)
+
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.wait(self.interval()):
+            self.poll()
+
+
+WATCHER = Watcher()
+
+
+def watch() -> None:
+    """At decoration: when ``SAFECOMPILE_DISABLE_SOURCE`` is set, make sure it is watched
+    (the first read happens now, so the first call already obeys it). Never raises."""
+    if not os.environ.get(SOURCE_ENV_VAR, "").strip():
+        return
+    try:
+        WATCHER.start()
+    except Exception as exc:  # e.g. no threads left: the env var and disable() still work
+        log_event(
+            "safecompile.disable_source_error",
+            level=logging.WARNING,
+            source=redacted(os.environ.get(SOURCE_ENV_VAR, "")),
+            reason=f"cannot start the watcher: {type(exc).__name__}: {exc}",
+            keeping=_describe(ks.SWITCH.watched),
+        )

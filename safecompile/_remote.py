@@ -1,0 +1,498 @@
+"""Compile once per fleet: a shared Redis behind torch's remote caches and our verdicts.
+
+``SAFECOMPILE_REMOTE_CACHE=redis://host:port[/db]`` (``rediss://`` for TLS, ``unix://``
+for a socket; read at each decoration, never at import) turns on, process-wide:
+
+- torch's own remote caches: inductor's FX-graph cache, AOTAutograd's cache and Triton's
+  autotuning cache (``torch._inductor.config.fx_graph_remote_cache``,
+  ``autotune_remote_cache``, ``torch._functorch.config.enable_remote_autograd_cache``;
+  not ``bundled_autotune_remote_cache``, see ``TORCH_FLAGS``), so a graph one replica
+  compiled is loaded by the next. torch's key format and serialisation are kept; only the
+  transport is ours (:class:`RedisLink`, installed as the ``RedisRemoteCache`` backend), so
+  a Redis that is down or hangs costs one short timeout and one log event, not torch's
+  client's ten retries per lookup;
+- a verdict tier (:class:`RemoteVerdicts`) under the same artifact keys as the local
+  verdict files, so a function known to fail on this stack is skipped fleet-wide.
+
+A flag the user set (``TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE=0``, an assignment in
+``torch._inductor.config``) is kept. Without redis-py, or with a URL that does not parse,
+one warning event says so and everything stays local: a call never fails for the cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+import os
+import sys
+import threading
+import time
+import urllib.parse
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+from ._log import log_event
+
+__all__ = [
+    "REMOTE_ENV_VAR",
+    "RedisLink",
+    "RemoteUnavailableError",
+    "RemoteVerdicts",
+    "activate",
+    "link_for",
+    "parse_url",
+    "redacted",
+    "remote_verdicts",
+    "reset",
+]
+
+REMOTE_ENV_VAR = "SAFECOMPILE_REMOTE_CACHE"
+CONNECT_TIMEOUT_S = 0.25  # a Redis that is not there answers (or not) within this
+SOCKET_TIMEOUT_S = 0.5  # a Redis that hangs mid-command: per read, not per command
+RETRY_AFTER_S = 30.0  # after a failure, local only for this long, then try again
+VERDICT_TTL_S = 30 * 24 * 3600  # verdicts of an old stack (torch, code) age out
+VERDICT_PREFIX = "safecompile:v1:verdicts:"
+BLOB_PREFIX = "safecompile:v1:blobs:"
+_SCHEMES = ("redis", "rediss", "unix")
+
+# torch's flags that switch a remote cache on: (environment variable, config module, name).
+# Not bundled_autotune_remote_cache: in torch 2.13 it fails every compile of a graph without
+# Triton kernels (an AssertionError on the missing "backend_hash", e.g. any CPU graph), which
+# would trip callables and persist compile failures fleet-wide. Set it yourself on GPU-only
+# fleets (TORCHINDUCTOR_BUNDLED_AUTOTUNE_REMOTE_CACHE=1): the transport is shared.
+TORCH_FLAGS: tuple[tuple[str, str, str], ...] = (
+    ("TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "torch._inductor.config", "fx_graph_remote_cache"),
+    (
+        "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE",
+        "torch._functorch.config",
+        "enable_remote_autograd_cache",
+    ),
+    ("TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE", "torch._inductor.config", "autotune_remote_cache"),
+)
+
+T = TypeVar("T")
+Clock = Callable[[], float]
+
+
+class RemoteUnavailableError(Exception):
+    """The shared Redis cannot be used now (not installed, down, timed out, backing off)."""
+
+
+def parse_url(value: str) -> str:
+    """``value`` stripped, once it is a ``redis://``, ``rediss://`` or ``unix://`` URL;
+    ``ValueError`` naming what is wrong otherwise. A ``#fragment`` is refused (it names a
+    key, see the fleet kill switch's source)."""
+    text = value.strip()
+    parts = urllib.parse.urlsplit(text)
+    if parts.scheme not in _SCHEMES:
+        raise ValueError(
+            f"{redacted(text)!r}: expected redis://host:port[/db], rediss://... or unix:///path"
+        )
+    if parts.scheme != "unix" and not parts.hostname:
+        raise ValueError(f"{redacted(text)!r}: no host")
+    try:
+        parts.port  # noqa: B018 (validates the port)
+    except ValueError as exc:
+        raise ValueError(f"{redacted(text)!r}: {exc}") from None
+    if parts.fragment:
+        raise ValueError(f"{redacted(text)!r}: a #key has no meaning here")
+    return text
+
+
+def redacted(url: str) -> str:
+    """``url`` without its password, for logs and reports."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        if parts.password is None:
+            return url
+        port = parts.port
+    except ValueError:  # not even a URL: keep the scheme only
+        return url.partition("://")[0] + "://***"
+    host = parts.hostname or ""
+    netloc = f"{parts.username or ''}:***@{host}" + (f":{port}" if port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+def _import_redis() -> Any | None:
+    try:
+        return importlib.import_module("redis")
+    except ImportError:
+        return None
+
+
+class RedisLink:
+    """One lazily built redis-py client with short timeouts and no retries, and a breaker.
+
+    :meth:`run` runs one command; any failure (redis-py missing, refused, timed out, a
+    Redis that went away) raises :class:`RemoteUnavailableError` and makes the next
+    ``retry_after`` seconds fail at once without touching the network. One warning event
+    (``safecompile.remote_cache_unavailable``) per outage, one info event
+    (``safecompile.remote_cache_restored``) when it answers again (none with ``quiet``).
+    Thread-safe.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        purpose: str = "remote cache",
+        clock: Clock = time.monotonic,
+        retry_after: float = RETRY_AFTER_S,
+        quiet: bool = False,
+    ) -> None:
+        self.url = parse_url(url)
+        self.purpose = purpose
+        self.quiet = quiet  # the caller logs outages itself
+        self._clock = clock
+        self._retry_after = retry_after
+        self._lock = threading.Lock()
+        self._client: Any = None
+        self._down_until: float | None = None
+        self._down = False
+        self.failures = 0  # commands that failed (for tests and reports)
+        self.commands = 0  # commands sent
+        self.seconds = 0.0  # wall time spent in them
+
+    def run(self, command: Callable[[Any], T]) -> T:
+        """``command(client)``; :class:`RemoteUnavailableError` instead of any failure."""
+        client = self._client_now()
+        started = time.perf_counter()
+        try:
+            result = command(client)
+        except Exception as exc:
+            self._failed(f"{type(exc).__name__}: {exc}")
+            raise RemoteUnavailableError(str(exc)) from None
+        finally:
+            self.commands += 1
+            self.seconds += time.perf_counter() - started
+        if self._down:
+            with self._lock:
+                was_down, self._down = self._down, False
+            if was_down and not self.quiet:
+                log_event(
+                    "safecompile.remote_cache_restored", url=redacted(self.url), use=self.purpose
+                )
+        return result
+
+    @property
+    def available(self) -> bool:
+        """Whether the next command will touch the network (not backing off)."""
+        until = self._down_until
+        return until is None or self._clock() >= until
+
+    def _client_now(self) -> Any:
+        until = self._down_until
+        if until is not None and self._clock() < until:
+            raise RemoteUnavailableError(f"{self.purpose}: backing off after a failure")
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = self._build()
+        return self._client
+
+    def _build(self) -> Any:
+        redis = _import_redis()
+        if redis is None:
+            self._failed("redis-py is not installed (pip install 'safecompile[redis]')")
+            raise RemoteUnavailableError("redis-py is not installed")
+        retry = redis.retry.Retry(redis.backoff.NoBackoff(), 0)
+        options: dict[str, Any] = {
+            "socket_timeout": SOCKET_TIMEOUT_S,
+            "socket_connect_timeout": CONNECT_TIMEOUT_S,
+            "retry": retry,
+            "health_check_interval": 0,
+        }
+        if self.url.startswith("unix://"):
+            options.pop("socket_connect_timeout")
+        try:  # options in the URL's query (?socket_timeout=2) win over ours
+            return redis.Redis.from_url(self.url, **options)
+        except Exception as exc:
+            self._failed(f"{type(exc).__name__}: {exc}")
+            raise RemoteUnavailableError(str(exc)) from None
+
+    def _failed(self, reason: str) -> None:
+        with self._lock:
+            self.failures += 1
+            self._down_until = self._clock() + self._retry_after
+            first, self._down = not self._down, True
+        if first and not self.quiet:
+            log_event(
+                "safecompile.remote_cache_unavailable",
+                level=logging.WARNING,
+                url=redacted(self.url),
+                use=self.purpose,
+                reason=reason[:300],
+                local_only_s=self._retry_after,
+            )
+
+
+class RemoteVerdicts:
+    """Verdict documents in Redis: one hash per artifact key, one field per scope.
+
+    The values are the same JSON documents the local store writes (validated the same way
+    by :class:`safecompile._cache.VerdictStore`); a put refreshes the key's TTL
+    (``VERDICT_TTL_S``) so verdicts of a stack nobody runs any more age out. Every method
+    answers "nothing" (``None``, ``False``, ``0``, ``{}``) when Redis cannot be used.
+    """
+
+    def __init__(self, link: RedisLink, *, ttl: float = VERDICT_TTL_S) -> None:
+        self.link = link
+        self.ttl = int(ttl)
+
+    @staticmethod
+    def name(key: str) -> str:
+        """The Redis key of an artifact key's verdicts."""
+        return f"{VERDICT_PREFIX}{key}"
+
+    def where(self, key: str, scope: str = "") -> str:
+        """Where ``(key, scope)`` lives, for log events (no password)."""
+        return f"{redacted(self.link.url)} {self.name(key)}[{scope!r}]"
+
+    def get(self, key: str, scope: str = "") -> bytes | None:
+        """The document for ``(key, scope)``, or ``None``."""
+        try:
+            value = self.link.run(lambda r: r.hget(self.name(key), scope))
+        except RemoteUnavailableError:
+            return None
+        return value if isinstance(value, bytes) else None
+
+    def put(self, key: str, scope: str, document: bytes) -> bool:
+        """Store ``document`` for ``(key, scope)``; ``False`` if Redis could not be used."""
+
+        def command(r: Any) -> None:
+            pipe = r.pipeline(transaction=True)
+            pipe.hset(self.name(key), scope, document)
+            pipe.expire(self.name(key), self.ttl)
+            pipe.execute()
+
+        try:
+            self.link.run(command)
+        except RemoteUnavailableError:
+            return False
+        return True
+
+    def all(self, key: str) -> dict[str, bytes]:
+        """Every document under ``key``, by scope."""
+        try:
+            found = self.link.run(lambda r: r.hgetall(self.name(key)))
+        except RemoteUnavailableError:
+            return {}
+        out: dict[str, bytes] = {}
+        for field, value in dict(found or {}).items():
+            scope = field.decode("utf-8", "replace") if isinstance(field, bytes) else str(field)
+            if isinstance(value, bytes):
+                out[scope] = value
+        return out
+
+    def put_blob(self, key: str, name: str, data: bytes) -> bool:
+        """Store a binary artifact next to ``key``'s verdicts (e.g. torch's portable
+        compile artifacts, ``torch.compiler.save_cache_artifacts()``); same TTL."""
+        try:
+            self.link.run(lambda r: r.set(f"{BLOB_PREFIX}{key}:{name}", data, ex=self.ttl))
+        except RemoteUnavailableError:
+            return False
+        return True
+
+    def get_blob(self, key: str, name: str) -> bytes | None:
+        """A blob :meth:`put_blob` stored, or ``None``."""
+        try:
+            value = self.link.run(lambda r: r.get(f"{BLOB_PREFIX}{key}:{name}"))
+        except RemoteUnavailableError:
+            return None
+        return value if isinstance(value, bytes) else None
+
+    def delete(self, key: str | None = None, scope: str | None = None) -> int:
+        """Delete one document, every document (and blob) of ``key``, or every verdict and
+        blob (``key=None``); the number of Redis keys or fields removed."""
+
+        def command(r: Any) -> int:
+            if key is not None and scope is not None:
+                return int(r.hdel(self.name(key), scope))
+            pattern = f"{BLOB_PREFIX}{key}:*" if key is not None else f"{BLOB_PREFIX}*"
+            names = list(r.scan_iter(match=pattern, count=500))
+            if key is None:
+                names += list(r.scan_iter(match=f"{VERDICT_PREFIX}*", count=500))
+            else:
+                names.append(self.name(key))
+            return int(r.delete(*names)) if names else 0
+
+        try:
+            return self.link.run(command)
+        except RemoteUnavailableError:
+            return 0
+
+
+# ---------------------------------------------------------------- activation
+
+_lock = threading.Lock()
+_links: dict[tuple[str, str], RedisLink] = {}
+_active: dict[str, RemoteVerdicts] = {}
+_warned: set[str] = set()
+
+
+def link_for(url: str, purpose: str) -> RedisLink:
+    """The process's one :class:`RedisLink` for ``(url, purpose)`` (``ValueError`` on a
+    bad URL)."""
+    with _lock:
+        link = _links.get((url, purpose))
+        if link is None:
+            link = _links[(url, purpose)] = RedisLink(url, purpose=purpose)
+        return link
+
+
+def remote_url() -> str | None:
+    """``SAFECOMPILE_REMOTE_CACHE``, stripped, or ``None`` when unset or empty."""
+    value = os.environ.get(REMOTE_ENV_VAR, "").strip()
+    return value or None
+
+
+def activate() -> RemoteVerdicts | None:
+    """Read ``SAFECOMPILE_REMOTE_CACHE``; when set, switch torch's remote caches on over it
+    (once per URL) and return the verdict tier. ``None`` (local only) when unset, when the
+    URL does not parse or redis-py is missing (one warning event each). Never raises."""
+    url = remote_url()
+    if url is None:
+        return None
+    try:
+        with _lock:
+            found = _active.get(url)
+        if found is not None:
+            return found
+        return _first_activation(url)
+    except Exception as exc:  # a cache must never fail a decoration
+        _warn_once(url, f"{type(exc).__name__}: {exc}")
+        return None
+
+
+def remote_verdicts() -> RemoteVerdicts | None:
+    """The verdict tier for the current ``SAFECOMPILE_REMOTE_CACHE`` (see :func:`activate`)."""
+    return activate()
+
+
+def _first_activation(url: str) -> RemoteVerdicts | None:
+    try:
+        parse_url(url)
+    except ValueError as exc:
+        _warn_once(url, f"{REMOTE_ENV_VAR} is not a Redis URL: {exc}")
+        return None
+    if _import_redis() is None:
+        _warn_once(url, "redis-py is not installed (pip install 'safecompile[redis]')")
+        return None
+    verdicts = RemoteVerdicts(link_for(url, "verdicts"))
+    torch_caches = use_torch_remote_caches(link_for(url, "torch caches"))
+    with _lock:
+        _active.setdefault(url, verdicts)
+    log_event(
+        "safecompile.remote_cache_enabled",
+        url=redacted(url),
+        torch_caches=torch_caches,
+        verdicts=True,
+    )
+    return verdicts
+
+
+def _warn_once(url: str, reason: str) -> None:
+    token = f"{url}\0{reason}"
+    with _lock:
+        if token in _warned:
+            return
+        _warned.add(token)
+    log_event(
+        "safecompile.remote_cache_unavailable",
+        level=logging.WARNING,
+        url=redacted(url),
+        use="all",
+        reason=reason,
+        local_only_s=None,
+    )
+
+
+# ---------------------------------------------------------------- torch's remote caches
+
+
+_undo: list[Callable[[], None]] = []  # what use_torch_remote_caches changed, for reset()
+
+
+def reset() -> None:
+    """Forget every link and activation, and put torch's flags and cache transport back as
+    they were (for tests)."""
+    with _lock:
+        _links.clear()
+        _active.clear()
+        _warned.clear()
+        undo, _undo[:] = list(_undo), []
+    for step in reversed(undo):
+        step()
+
+
+def use_torch_remote_caches(link: RedisLink) -> list[str]:
+    """Switch torch's remote caches on over ``link``; the flags now on.
+
+    The transport: ``link`` becomes the backend of torch's ``RedisRemoteCache`` (all of
+    FX-graph, AOTAutograd and autotuning caches derive from it), so torch's lookups share
+    our short timeouts and breaker. The flags: each is set for every thread (its
+    environment variable, and the config entry's process-wide default when the config
+    module is already imported; torch's config assignments are thread-local) unless the
+    user set it.
+    """
+    from torch._inductor import remote_cache  # noqa: PLC0415 (~0.1 s, only when used)
+
+    cls = remote_cache.RedisRemoteCache
+    before = cls.__dict__.get("backend_override_cls")
+    _undo.append(lambda: setattr(cls, "backend_override_cls", before))
+    cls.backend_override_cls = _torch_backend(link)
+    on: list[str] = []
+    for env_name, module_name, attr in TORCH_FLAGS:
+        if _set_torch_flag(env_name, module_name, attr):
+            on.append(attr)
+    return on
+
+
+def _set_torch_flag(env_name: str, module_name: str, attr: str) -> bool:
+    value = os.environ.get(env_name)
+    if (value or "").strip() not in ("", "1"):
+        return False  # the user said no
+    os.environ[env_name] = "1"
+    _undo.append(functools.partial(_restore_env, env_name, value))
+    module = sys.modules.get(module_name)
+    if module is None:
+        return True  # the config module reads the variable when it is imported
+    entries: Mapping[str, Any] | None = getattr(module, "_config", None)
+    entry = entries.get(attr) if entries is not None else None
+    if entry is None:
+        return False
+    if entry.default is None:  # nobody decided; an assignment (thread-local) still wins
+        entry.default = True
+        _undo.append(functools.partial(setattr, entry, "default", None))
+    return entry.default is True
+
+
+def _restore_env(name: str, value: str | None) -> None:
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+def _torch_backend(link: RedisLink) -> Callable[[], Any]:
+    """A ``RemoteCacheBackend[bytes]`` factory over ``link`` (torch calls it per cache)."""
+    from torch._inductor.remote_cache import RemoteCacheBackend  # noqa: PLC0415
+
+    class SafecompileRedisBackend(RemoteCacheBackend[bytes]):
+        """torch's remote-cache transport over safecompile's :class:`RedisLink`."""
+
+        def _get(self, key: str) -> bytes | None:
+            try:
+                value = link.run(lambda r: r.get(key))
+            except RemoteUnavailableError:
+                return None
+            return value if isinstance(value, bytes) else None
+
+        def _put(self, key: str, data: bytes) -> None:
+            try:
+                link.run(lambda r: r.set(key, data))
+            except RemoteUnavailableError:
+                return
+
+    return SafecompileRedisBackend

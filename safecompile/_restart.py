@@ -1,0 +1,276 @@
+"""What a restarted process need not learn again: bucket verdicts, torch's artifacts.
+
+Under ``SAFECOMPILE_CACHE_DIR`` (a no-op without it), keyed by :func:`._cache.artifact_key`
+of the guarded code, torch, Python, device and compile options, plus the ``Buckets``
+policy and the shadow tolerances (a padding verdict depends on both):
+
+- **bucket verdicts** (in the :class:`._cache.VerdictStore`, one per bucket, scoped by
+  the bucket's key): a bucket whose padding was verified, with its learned output cut,
+  or a bucket rejected, with why. A restarted process cuts a verified bucket's outputs
+  back without running eager to verify its padding again (its first padded output must
+  have exactly the tensors and shapes recorded, else it is verified as if new), and
+  runs a rejected bucket eager without compiling it. A verdict holds for the code and
+  its parameter shapes, not for parameter values: shadow checks, when on, still compare
+  with eager.
+- **torch's portable compile artifacts** (``torch.compiler.save_cache_artifacts()``:
+  inductor's FX graphs and AOTAutograd's entries, as one blob in ``artifacts/``),
+  written after each warmup and loaded once, before the first compile, when torch's
+  on-disk cache is not the one they were written from (a fresh or ephemeral
+  ``TORCHINDUCTOR_CACHE_DIR``, another machine). With the cache dir warm the blob is
+  not needed and not loaded.
+
+Nothing here ever fails a call: a failure is one warning (``safecompile.cache_file_ignored``)
+and the guard learns as if nothing had been persisted.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ._cache import Verdict, VerdictStore, _write_atomic, artifact_key, cache_root
+from ._log import log_event
+
+if TYPE_CHECKING:
+    from ._bucketing import BucketEntry
+    from ._buckets import Bucketer, CutSpec, Plan
+    from ._controller import CompileOptions
+    from ._policies import Shadow
+
+__all__ = [
+    "ARTIFACTS",
+    "BUCKET_REJECTED",
+    "BUCKET_VERIFIED",
+    "Persisted",
+    "bucket_scope",
+    "restart_key_options",
+]
+
+BUCKET_VERIFIED = "bucket_verified"
+BUCKET_REJECTED = "bucket_rejected"
+ARTIFACTS = "compile_artifacts"
+_ARTIFACTS_SCOPE = "torch.compiler.save_cache_artifacts"
+
+
+def restart_key_options(
+    opts: CompileOptions, bucketer: Bucketer | None, shadow: Shadow | None
+) -> dict[str, Any]:
+    """What :func:`._cache.artifact_key` hashes for these verdicts besides code and
+    versions: torch.compile's options, the ``Buckets`` policy and the tolerances."""
+    return {
+        "backend": opts.backend_label,
+        "mode": opts.mode,
+        "options": opts.options,
+        "dynamic": opts.dynamic,
+        "extra": {
+            "fullgraph": opts.fullgraph,
+            "buckets": repr(bucketer.policy) if bucketer is not None else None,
+            "tolerances": repr((shadow.rtol, shadow.atol)) if shadow is not None else None,
+        },
+    }
+
+
+def bucket_scope(key: object) -> str:
+    """The verdict scope of a bucket: its plan key as text (shapes, dtypes, sizes)."""
+    return f"bucket {key!r}"
+
+
+class Persisted:
+    """One guarded callable's bucket verdicts and compile artifacts across restarts."""
+
+    def __init__(self, target: Callable[..., Any], options: Mapping[str, Any]) -> None:
+        root = cache_root()
+        self._root = root
+        self._store = VerdictStore(root) if root is not None else None
+        self._target = target
+        self._options = dict(options)
+        self._key: str | None = None
+        self._lock = threading.Lock()
+        self._artifacts_checked = False
+
+    @property
+    def active(self) -> bool:
+        """Whether ``SAFECOMPILE_CACHE_DIR`` was set when the callable was guarded."""
+        return self._store is not None
+
+    def key(
+        self, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None
+    ) -> str | None:
+        """The artifact key, made at the first call (the device is the first tensor's)."""
+        if self._key is None and self._store is not None:
+            values = (*args, *(kwargs or {}).values())
+            device = next(
+                (t.device for t in values if isinstance(t, torch.Tensor)), torch.device("cpu")
+            )
+            try:
+                self._key = artifact_key(self._target, device=device, **self._options)
+            except Exception as exc:  # never fail a call over a key
+                _warn("key", exc)
+        return self._key
+
+    # ---------------------------------------------------------------- buckets
+
+    def restore(self, entry: BucketEntry, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """A bucket's first sight in this process: take an earlier process's verdict."""
+        from ._bucketing import BucketStatus  # noqa: PLC0415 - _bucketing imports torch's bits
+
+        entry.looked_up = True
+        key = self.key(args, kwargs)
+        if self._store is None or key is None:
+            return
+        verdict = self._store.get(key, bucket_scope(entry.key))
+        if verdict is None:
+            return
+        if verdict.kind == BUCKET_REJECTED:
+            entry.why = verdict.message
+            entry.status = BucketStatus.REJECTED
+            entry.restored = "rejected"
+        elif verdict.kind == BUCKET_VERIFIED and isinstance(verdict.details.get("cut"), list):
+            entry.saved = verdict.details["cut"]
+            entry.restored = "verified"
+
+    def reuse(self, bucketer: Bucketer, plan: Plan, entry: BucketEntry, padded_out: Any) -> bool:
+        """A restored, verified bucket's first padded output: rebuild its cut from the
+        verdict, no eager run. ``False`` (verify as new) when the output does not match."""
+        from ._bucketing import BucketStatus  # noqa: PLC0415
+        from ._buckets import BucketError  # noqa: PLC0415
+
+        saved, entry.saved = entry.saved, None
+        if saved is None:
+            return False
+        try:
+            cuts = bucketer.restored_cuts(plan, padded_out, saved)
+        except (BucketError, ValueError, TypeError, KeyError, IndexError):
+            entry.restored = None  # the output changed since: learn and verify again
+            return False
+        entry.cuts = cuts
+        entry.status = BucketStatus.READY
+        return True
+
+    def keep_verified(self, entry: BucketEntry, cuts: CutSpec, name: str) -> None:
+        """A bucket's padding was verified: persist it with its cut."""
+        self._put(entry, BUCKET_VERIFIED, cuts.describe(), name, cut=cuts.saved())
+
+    def keep_rejected(self, entry: BucketEntry, why: str, name: str) -> None:
+        """A bucket was rejected (padding changes results, ...): persist why."""
+        self._put(entry, BUCKET_REJECTED, why, name)
+
+    def _put(self, entry: BucketEntry, kind: str, message: str, name: str, **details: Any) -> None:
+        key = self._key
+        if self._store is None or key is None or entry.key is None:
+            return
+        verdict = Verdict(
+            kind=kind,
+            time=time.time(),
+            name=name,
+            message=message,
+            details={"bucket": entry.label, **details},
+        )
+        try:
+            self._store.put(key, verdict, bucket_scope(entry.key))
+        except Exception as exc:  # a verdict is an optimisation: never fail a call
+            _warn("bucket verdict", exc)
+
+    # ---------------------------------------------------------------- torch's artifacts
+
+    def load_artifacts(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """Once per process, before the first compile: load torch's portable artifacts
+        when the on-disk cache they were written from is not the one in use."""
+        with self._lock:
+            if self._artifacts_checked:
+                return
+            self._artifacts_checked = True
+        key = self.key(args, kwargs)
+        if self._store is None or self._root is None or key is None:
+            return
+        verdict = self._store.get(key, _ARTIFACTS_SCOPE)
+        if verdict is None or verdict.kind != ARTIFACTS:
+            return
+        written_from = verdict.details.get("torch_cache_dir")
+        if written_from == _torch_cache_dir() and written_from and Path(written_from).is_dir():
+            return  # torch's own cache holds them already
+        path = self._blob(key)
+        try:
+            blob = path.read_bytes()
+            torch.compiler.load_cache_artifacts(blob)
+        except Exception as exc:
+            _warn(str(path), exc)
+
+    def save_artifacts(self, name: str) -> None:
+        """After a warmup: save every artifact this process compiled or loaded so far."""
+        key = self._key
+        if self._store is None or self._root is None or key is None:
+            return
+        try:
+            with _compile_lock():
+                saved = torch.compiler.save_cache_artifacts()
+            if saved is None:
+                return
+            blob, _ = saved
+            path = self._blob(key)
+            if not _write_atomic(path, blob):
+                return
+            self._store.put(
+                key,
+                Verdict(
+                    kind=ARTIFACTS,
+                    time=time.time(),
+                    name=name,
+                    details={
+                        "file": path.name,
+                        "bytes": len(blob),
+                        "torch_cache_dir": _torch_cache_dir(),
+                    },
+                ),
+                _ARTIFACTS_SCOPE,
+            )
+        except Exception as exc:
+            _warn("compile artifacts", exc)
+
+    def _blob(self, key: str) -> Path:
+        assert self._root is not None
+        return self._root / "artifacts" / f"{key}.bin"
+
+    # ---------------------------------------------------------------- reset
+
+    def forget(self) -> None:
+        """``reset()``: drop this key's bucket verdicts and artifacts, learn afresh."""
+        key = self._key
+        with self._lock:
+            self._artifacts_checked = False
+        if self._store is None or key is None:
+            return
+        self._store.clear(key)  # this key is ours alone (KnownFailures' has no buckets)
+        try:
+            self._blob(key).unlink(missing_ok=True)
+        except OSError as exc:
+            _warn("compile artifacts", exc)
+
+
+def _torch_cache_dir() -> str | None:
+    value = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return str(Path(value).absolute()) if value else None
+
+
+def _compile_lock() -> Any:
+    """Dynamo's compile lock (torch's artifact list is guarded by it)."""
+    from torch._dynamo import convert_frame  # noqa: PLC0415
+
+    lock = getattr(convert_frame, "compile_lock", None)
+    return lock if lock is not None else threading.Lock()
+
+
+def _warn(what: str, exc: BaseException) -> None:
+    log_event(
+        "safecompile.cache_file_ignored",
+        level=logging.WARNING,
+        path=what,
+        reason=f"{type(exc).__name__}: {exc}",
+    )
