@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from _models import MLP  # bench/ is on sys.path when a bench runs as a script
 
-from safecompile import ENV_VAR, safe_compile
+from safecompile import ENV_VAR, Rollback, safe_compile
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)
@@ -136,7 +136,11 @@ def run_case(
     # one copy per variant (a module is guarded in place), each with its own code object
     bare = bare_compile(own_code(fn, "bare"), backend)
     guarded = safe_compile(
-        own_code(fn, "guarded"), backend=backend, shadow=None, name=f"bench.{label}"
+        own_code(fn, "guarded"),
+        backend=backend,
+        shadow=None,
+        rollback=Rollback(slower_ratio=None),  # overhead of the guard, not of speed probes
+        name=f"bench.{label}",
     )
     killed = safe_compile(
         own_code(fn, "killed"), backend=backend, shadow=None, name=f"bench.{label}.killed"

@@ -519,7 +519,7 @@ def diagnose(
             fullgraph=plan.fullgraph,
             buckets=plan.buckets,
             shadow=None,
-            rollback=Rollback(max_recompiles=plan.thresholds.max_recompiles),
+            rollback=Rollback(max_recompiles=plan.thresholds.max_recompiles, slower_ratio=None),
             name=plan.name,
         )
     except (ConfigError, TypeError) as exc:
