@@ -15,6 +15,7 @@ import socket
 import subprocess
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 
@@ -90,20 +91,21 @@ class RedisServer:
                 if ping(port):
                     return cls(port=port, process=process)
                 time.sleep(0.02)
-            _terminate(process)
+            terminate(process)
         raise RuntimeError("redis-server did not answer PING")
 
     def stop(self) -> None:
         """Terminate the server (idempotent)."""
-        _terminate(self.process)
+        terminate(self.process)
 
 
-def _terminate(process: subprocess.Popen[bytes]) -> None:
+def terminate(process: subprocess.Popen[Any], timeout: float = 5) -> None:
+    """Stop a server process: terminate, then kill if it lingers past ``timeout``."""
     if process.poll() is not None:
         return
     process.terminate()
     try:
-        process.wait(timeout=5)
+        process.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         process.kill()
-        process.wait(timeout=5)
+        process.wait(timeout=timeout)

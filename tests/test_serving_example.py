@@ -22,6 +22,8 @@ import httpx
 import pytest
 import torch
 
+from tests.redis_server import terminate
+
 ROOT = Path(__file__).resolve().parents[1]
 SERVING = ROOT / "examples" / "serving.py"
 START_TIMEOUT_S = 90.0  # torch's import and FastAPI's start-up, on a loaded machine
@@ -90,12 +92,7 @@ def server(
                     time.sleep(0.2)  # a real process starting: nothing to fake
             yield client
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(timeout=15)
+        terminate(process, timeout=15)
 
 
 @pytest.fixture
