@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from safecompile._buckets import Bucketer  # noqa: E402
-from safecompile._policies import Buckets, pow2  # noqa: E402
+from safecompile.base.policies import Buckets, pow2  # noqa: E402
+from safecompile.shapes.buckets import Bucketer  # noqa: E402
 
 NUMBER = 20_000
 REPEAT = 15

@@ -2,7 +2,7 @@
 
 For fp32 and bf16 MLPs and transformer blocks, compiled (aot_eager, inductor) and run
 against eager over a few seeds and batch/sequence sizes, this measures the figures that
-``safecompile._compare`` judges: the normalised error ‖c-e‖/‖e‖, the scale error
+``safecompile.checks.compare`` judges: the normalised error ‖c-e‖/‖e‖, the scale error
 <c-e, e>/‖e‖² and the peak error max|c-e| / max|e| (and max abs), next to each side's
 normalised error against an fp64 reference (the same rounded weights and inputs, run in
 float64). It then injects the two faults the defaults must catch, a 1% multiplicative
@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from safecompile._compare import (
+from safecompile.checks.compare import (
     PEAK_FACTOR,
     SCALE_SHARE,
     SCALE_SIGMAS,

@@ -94,7 +94,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         out["cpu_s"] = _cpu_seconds() - cpu_start
         got = guarded(x, mask)
     stats = guarded.safecompile.stats()
-    from safecompile import _remote
+    from safecompile.persist import remote as _remote
 
     links = list(_remote._links.values())
     out["redis_commands"] = sum(link.commands for link in links)

@@ -30,7 +30,7 @@ from _common import add_backend_option, canary_lines, log_events, summary
 
 import safecompile
 from safecompile import Shadow, safe_compile
-from safecompile._progress import spinner
+from safecompile.observe.progress import spinner
 from safecompile.testing import DriftingBackend
 
 

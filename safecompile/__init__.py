@@ -7,13 +7,13 @@ and roll back to eager automatically when anything goes wrong.
 
 from __future__ import annotations
 
-from ._errors import ConfigError
-from ._guard import Guarded, safe_compile
-from ._killswitch import ENV_VAR, disable, enable
-from ._model import Event, EventKind, Reason, State, Stats
-from ._policies import Buckets, Rollback, Shadow, Warmup, pow2, steps
-from ._telemetry import configure
 from ._version import __version__
+from .base.errors import ConfigError
+from .base.killswitch import ENV_VAR, disable, enable
+from .base.model import Event, EventKind, Reason, State, Stats
+from .base.policies import Buckets, Rollback, Shadow, Warmup, pow2, steps
+from .guard.decorator import Guarded, safe_compile
+from .observe.telemetry import configure
 
 __all__ = [
     "ENV_VAR",

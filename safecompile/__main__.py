@@ -18,8 +18,8 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from . import _doctor_html as _html
 from . import doctor
+from .doctor import html as _html
 
 __all__ = ["main"]
 

@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-from ._backend import compile_function
-from ._compare import compare
-from ._shadow import drain
-from ._source import dedupe_graph_breaks, graph_breaks_of
+from .checks.compare import compare
+from .guard.backend import compile_function
+from .guard.shadow import drain
+from .observe.source import dedupe_graph_breaks, graph_breaks_of
 
 __all__ = [
     "BlockingBackend",

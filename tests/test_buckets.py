@@ -12,9 +12,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from safecompile import ConfigError, _buckets
-from safecompile._buckets import Bucketer, PadError, UnpadError
-from safecompile._policies import Buckets, pow2, steps
+from safecompile import ConfigError
+from safecompile.base.policies import Buckets, pow2, steps
+from safecompile.shapes import buckets as _buckets
+from safecompile.shapes.buckets import Bucketer, PadError, UnpadError
 
 SIZES = (16, 32, 64, 128)
 

@@ -17,8 +17,8 @@ import pytest
 import structlog
 import torch
 
-from safecompile import _cache
-from safecompile._cache import (
+from safecompile.persist import cache as _cache
+from safecompile.persist.cache import (
     Verdict,
     VerdictStore,
     artifact_key,
@@ -268,7 +268,7 @@ def test_key_is_stable_across_processes_and_hash_seeds(tmp_path: Path) -> None:
         warnings.filterwarnings("ignore")
         sys.path[:0] = [{str(tmp_path)!r}, {str(REPO)!r}]
         import usercode
-        from safecompile._cache import VerdictStore, artifact_key
+        from safecompile.persist.cache import VerdictStore, artifact_key
         key = artifact_key(usercode.score, backend="inductor", device="cpu")
         verdict = VerdictStore({str(tmp_path)!r}).get(key)
         print(key, verdict.kind if verdict else None)

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from safecompile._compare import (
+from safecompile.checks.compare import (
     Comparison,
     TensorFigures,
     compare,

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch._dynamo
 
-from safecompile._explain import TEXT_LIMIT, explain, source_line
-from safecompile._source import SourceLocation, location_of_error
+from safecompile.observe.explain import TEXT_LIMIT, explain, source_line
+from safecompile.observe.source import SourceLocation, location_of_error
 from safecompile.testing import FailingBackend
 
 HERE = str(Path(__file__).resolve())

@@ -19,9 +19,9 @@ from redis_server import free_port
 from structlog.testing import capture_logs
 
 import safecompile
-from safecompile import _killswitch as ks
-from safecompile import _remote, safe_compile
-from safecompile._fleetswitch import (
+from safecompile import safe_compile
+from safecompile.base import killswitch as ks
+from safecompile.fleet.switch import (
     DEFAULT_KEY,
     DEFAULT_POLL_S,
     POLL_ENV_VAR,
@@ -33,6 +33,7 @@ from safecompile._fleetswitch import (
     poll_interval,
     rule_of,
 )
+from safecompile.persist import remote as _remote
 
 WAIT_S = 20.0  # a bound on waiting for the thread under a loaded CI machine, not a figure
 

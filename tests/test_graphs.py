@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from safecompile import Warmup, safe_compile
-from safecompile._graphs import mutates_in_place, random_op
+from safecompile.guard.graphs import mutates_in_place, random_op
 
 
 def traced(fn: Callable[..., Any]) -> torch.fx.GraphModule:
@@ -87,7 +87,7 @@ def test_background_inductor_warmup_closes_the_symbolic_trace_window() -> None:
 
 def test_a_comparison_that_fails_answers_with_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     """An internal error while comparing never reaches the caller: eager's answer stands."""
-    import safecompile._shadow as shadow_module
+    import safecompile.guard.shadow as shadow_module
 
     def broken(*args: Any, **kwargs: Any) -> Any:
         raise TypeError("cannot compare")

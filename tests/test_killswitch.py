@@ -7,7 +7,7 @@ import torch
 
 import safecompile
 from safecompile import ENV_VAR, EventKind, State, safe_compile
-from safecompile._killswitch import parse
+from safecompile.base.killswitch import parse
 from safecompile.testing import RecordingBackend
 
 

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from safecompile import Buckets, ConfigError, EventKind, Rollback, Warmup, pow2, safe_compile
-from safecompile._buckets import Bucketer, resolve_strategy
+from safecompile.shapes.buckets import Bucketer, resolve_strategy
 from safecompile.testing import RecordingBackend
 
 BATCH = pow2(1, 4)  # 1, 2, 4

@@ -15,9 +15,9 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from otlp_receiver import OTLPReceiver, attributes_of
 
-from safecompile._model import Event, EventKind, Reason
-from safecompile._source import error_type_name, location_of_error, safe_message
-from safecompile._telemetry import Telemetry
+from safecompile.base.model import Event, EventKind, Reason
+from safecompile.observe.source import error_type_name, location_of_error, safe_message
+from safecompile.observe.telemetry import Telemetry
 
 HERE = str(Path(__file__).resolve())
 

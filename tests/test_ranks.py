@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from safecompile import ConfigError, Reason, Rollback, Shadow, safe_compile
-from safecompile._ranks import Agreement, Local
+from safecompile.fleet.ranks import Agreement, Local
 from safecompile.testing import (
     DriftingBackend,
     FailingBackend,

@@ -22,8 +22,10 @@ import torch
 from redis_server import RedisServer, free_port, require_redis_server
 from structlog.testing import capture_logs
 
-from safecompile import _cache, _remote, safe_compile
-from safecompile._remote import REMOTE_ENV_VAR, RedisLink, RemoteUnavailableError
+from safecompile import safe_compile
+from safecompile.persist import cache as _cache
+from safecompile.persist import remote as _remote
+from safecompile.persist.remote import REMOTE_ENV_VAR, RedisLink, RemoteUnavailableError
 from safecompile.testing import FailingBackend, FakeClock
 
 HERE = Path(__file__).resolve().parent

@@ -13,8 +13,8 @@ import pytest
 import torch
 import torch._dynamo
 
-import safecompile._source as source_module
-from safecompile._source import (
+import safecompile.observe.source as source_module
+from safecompile.observe.source import (
     SourceLocation,
     dedupe_graph_breaks,
     error_type_name,

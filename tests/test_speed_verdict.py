@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from safecompile import ConfigError, Reason, Rollback, Shadow, State, Warmup, safe_compile
-from safecompile._model import EventKind
-from safecompile._speed import (
+from safecompile.base.model import EventKind
+from safecompile.checks.speed import (
     Decision,
     GraphSpeed,
     SpeedPolicy,

@@ -19,11 +19,11 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import StatusCode
 
-import safecompile._telemetry as telemetry_module
-from safecompile._model import Event, EventKind, Reason
-from safecompile._source import safe_message
-from safecompile._telemetry import SCHEMA_URL, Telemetry, configure
+import safecompile.observe.telemetry as telemetry_module
 from safecompile._version import __version__
+from safecompile.base.model import Event, EventKind, Reason
+from safecompile.observe.source import safe_message
+from safecompile.observe.telemetry import SCHEMA_URL, Telemetry, configure
 
 FUNCTION = "ranker.score"
 SECRET = 8675309.25  # a distinctive tensor value that must never leave the process

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from safecompile._timing import LatencyWindow
+from safecompile.checks.timing import LatencyWindow
 
 
 def test_empty_window_has_no_percentiles() -> None:

@@ -1,4 +1,4 @@
-"""A warm restart does not learn again what an earlier process learnt (safecompile._restart).
+"""A warm restart does not learn again what an earlier process learnt (safecompile.persist.restart).
 
 The round trips run the guarded code in fresh subprocesses sharing one
 ``SAFECOMPILE_CACHE_DIR``; what each process did is read from its ``report()`` and
@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from safecompile import Buckets, Shadow, Warmup, pow2, safe_compile
-from safecompile._cache import VerdictStore
+from safecompile.persist.cache import VerdictStore
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = (4, 8, 16, 32)  # pow2(4, 32): four buckets

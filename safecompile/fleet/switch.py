@@ -8,14 +8,14 @@ poll):
   key's string value; without ``#key`` the key is ``safecompile:disable``.
 
 The text says what ``SAFECOMPILE_DISABLE`` says (``1``/``all`` for everything, ``0`` or
-empty for nothing, else names and globs, :func:`safecompile._killswitch.parse`); lines
+empty for nothing, else names and globs, :func:`safecompile.base.killswitch.parse`); lines
 are joined by commas and ``#`` comment lines dropped, so a file may list one name a
 line. A missing file or key means enabled (delete it to switch back on). A source that
 cannot be read (unreadable file, Redis down or hanging, a value over 64 KiB) keeps the
 last value read, with one warning event per outage; it never reaches a call.
 
 One daemon thread polls every ``SAFECOMPILE_DISABLE_POLL`` seconds (default 2; read at
-each poll). A new value is handed to :func:`safecompile._killswitch.set_watched`, which
+each poll). A new value is handed to :func:`safecompile.base.killswitch.set_watched`, which
 bumps the switch's generation: the hot path already compares that number on every call,
 so a running callable turns ``disabled`` (or back) at its next call, at no added cost
 per call.
@@ -31,9 +31,9 @@ import urllib.parse
 from pathlib import Path
 from typing import Protocol
 
-from . import _killswitch as ks
-from ._log import log_event
-from ._remote import RedisLink, RemoteUnavailableError, parse_url, redacted
+from safecompile.base import killswitch as ks
+from safecompile.observe.log import log_event
+from safecompile.persist.remote import RedisLink, RemoteUnavailableError, parse_url, redacted
 
 __all__ = [
     "DEFAULT_KEY",

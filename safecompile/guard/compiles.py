@@ -18,9 +18,15 @@ from typing import Any
 
 import torch
 
-from ._cache import Verdict, VerdictStore, artifact_key, cache_root, use_torch_caches
-from ._model import Reason
-from ._source import error_type_name, safe_message
+from safecompile.base.model import Reason
+from safecompile.observe.source import error_type_name, safe_message
+from safecompile.persist.cache import (
+    Verdict,
+    VerdictStore,
+    artifact_key,
+    cache_root,
+    use_torch_caches,
+)
 
 __all__ = ["CompileTracker", "KnownFailures"]
 

@@ -27,7 +27,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from ._source import SourceLocation, safe_message, truncate
+from .source import SourceLocation, safe_message, truncate
 
 __all__ = ["Explanation", "explain", "source_line"]
 

@@ -43,9 +43,10 @@ from typing import Any
 
 import torch
 
-from ._log import log_event
-from ._remote import RemoteVerdicts, remote_verdicts
-from ._version import __version__
+from safecompile._version import __version__
+from safecompile.observe.log import log_event
+
+from .remote import RemoteVerdicts, remote_verdicts
 
 __all__ = [
     "CACHE_ENV_VAR",

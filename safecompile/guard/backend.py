@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ._errors import ConfigError
+from safecompile.base.errors import ConfigError
 
 __all__ = ["backend_name", "build_compiler", "compile_function", "validate_compile_options"]
 

@@ -30,10 +30,11 @@ from torch._dynamo.source import LocalSource
 from torch._dynamo.symbolic_convert import InstructionTranslator
 from torch._dynamo.variables.nn_module import NNModuleVariable, UnspecializedNNModuleVariable
 
-from ._policies import FOREVER, Shadow
-from ._slots import Slot
-from ._source import graph_breaks_of
-from ._speed import Decision, GraphSpeed, SpeedPolicy, serve
+from safecompile.base.policies import FOREVER, Shadow
+from safecompile.checks.speed import Decision, GraphSpeed, SpeedPolicy, serve
+from safecompile.observe.source import graph_breaks_of
+
+from .slots import Slot
 
 __all__ = [
     "GraphHooks",
@@ -383,7 +384,7 @@ def outside_effects() -> str | None:
     """An object the caller passed in that the frame being compiled updates (a cache
     object, a list or dict argument), by dynamo's account of its side effects, or
     ``None``. Module buffers and attributes are not counted (a check puts those back
-    itself: :mod:`safecompile._state`), nor is the frame's own ``**kwargs`` dict."""
+    itself: :mod:`safecompile.checks.snapshot`), nor is the frame's own ``**kwargs`` dict."""
     try:
         tx = InstructionTranslator.current_tx()
         code = tx.f_code

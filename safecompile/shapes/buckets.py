@@ -26,8 +26,8 @@ from typing import Any, Literal, TypeVar
 import torch
 import torch.nn.functional as F
 
-from ._errors import ConfigError
-from ._policies import Buckets
+from safecompile.base.errors import ConfigError
+from safecompile.base.policies import Buckets
 
 __all__ = ["BucketError", "Bucketer", "CutSpec", "PadError", "Plan", "UnpadError"]
 

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
 
-    from .doctor import Check, Report
+    from .report import Check, Report
 
 __all__ = ["INSTALL_HINT", "available", "render_html"]
 

@@ -1,6 +1,6 @@
 """The guard's bucket hooks: one entry per bucket (padded key), verified before use.
 
-:mod:`safecompile._buckets` knows how to plan, pad and cut back; this module keeps what
+:mod:`safecompile.shapes.buckets` knows how to plan, pad and cut back; this module keeps what
 the guard learnt about each bucket: whether its padding was verified against unpadded
 eager (and the output cut that goes with it), whether it was rejected, and its calls
 and padding waste. Entries are keyed by the bucket's padded input signature, at most
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ._buckets import Bucketer, CutSpec, Plan, resolve_strategy
+from .buckets import Bucketer, CutSpec, Plan, resolve_strategy
 
 __all__ = [
     "MAX_BUCKETS",

@@ -24,14 +24,15 @@ from typing import Any
 
 import torch
 
-from . import _killswitch as ks
-from ._bucketing import BucketEntry, BucketStatus, unmark
-from ._buckets import BucketError, Plan
-from ._compare import compare
-from ._controller import Controller
-from ._model import Event, EventKind, Reason
-from ._slots import Slot
-from ._source import safe_message, truncate
+from safecompile.base import killswitch as ks
+from safecompile.base.model import Event, EventKind, Reason
+from safecompile.checks.compare import compare
+from safecompile.observe.source import safe_message, truncate
+from safecompile.shapes.buckets import BucketError, Plan
+from safecompile.shapes.table import BucketEntry, BucketStatus, unmark
+
+from .controller import Controller
+from .slots import Slot
 
 __all__ = ["call_slow", "entrypoint", "finish", "recover"]
 

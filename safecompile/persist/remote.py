@@ -32,7 +32,7 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from ._log import log_event
+from safecompile.observe.log import log_event
 
 __all__ = [
     "REMOTE_ENV_VAR",
@@ -231,7 +231,7 @@ class RemoteVerdicts:
     """Verdict documents in Redis: one hash per artifact key, one field per scope.
 
     The values are the same JSON documents the local store writes (validated the same way
-    by :class:`safecompile._cache.VerdictStore`); a put refreshes the key's TTL
+    by :class:`safecompile.persist.cache.VerdictStore`); a put refreshes the key's TTL
     (``VERDICT_TTL_S``) so verdicts of a stack nobody runs any more age out. Every method
     answers "nothing" (``None``, ``False``, ``0``, ``{}``) when Redis cannot be used.
     """

@@ -2,7 +2,7 @@
 
 Every thread that calls a guarded callable gets one :class:`Slot` (a thread-local).
 The hot path writes into its own slot only, so counting a call takes no lock; the
-graph wrappers (:mod:`safecompile._graphs`) note there which graph served the call and
+graph wrappers (:mod:`safecompile.guard.graphs`) note there which graph served the call and
 whether a check is due. :meth:`Slots.totals` sums the slots of every thread, living or
 dead, for ``stats()``.
 """
@@ -13,8 +13,9 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ._graphs import GraphRecord
-    from ._state import Snapshot
+    from safecompile.checks.snapshot import Snapshot
+
+    from .graphs import GraphRecord
 
 __all__ = ["Slot", "Slots"]
 

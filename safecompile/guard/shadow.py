@@ -5,7 +5,7 @@ A check is due when a graph that served the call says so (its canary, then one r
 
 - ``sync``: eager runs on the caller's own arguments, under the caller's grad mode, so
   on a breach eager's result — with the caller's gradients — is what the caller gets.
-  State the compiled run updated is swapped back first (:mod:`safecompile._state`), so
+  State the compiled run updated is swapped back first (:mod:`safecompile.checks.snapshot`), so
   eager applies its update once, and the two updates are compared like outputs.
 - ``async``: copies of the inputs and output go to one worker thread on a bounded
   budget; the caller never waits. Graphs that update state are not checked async (the
@@ -14,7 +14,7 @@ A check is due when a graph that served the call says so (its canary, then one r
 Checked calls also time both paths, for the A/B latency figures in ``stats()``. Those
 pairs run eager right after the compiled call, on the same inputs (warm caches, copies
 in async mode): they do not read like live traffic, so they never decide anything. The
-speed verdict times live calls instead (:mod:`safecompile._speed`).
+speed verdict times live calls instead (:mod:`safecompile.checks.speed`).
 """
 
 from __future__ import annotations
@@ -29,14 +29,15 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 from torch.utils import _pytree as pytree
 
-from ._compare import Comparison, compare
-from ._graphs import GraphRecord, GraphTable
-from ._model import Event, EventKind
-from ._policies import Shadow
-from ._timing import LatencyWindow
+from safecompile.base.model import Event, EventKind
+from safecompile.base.policies import Shadow
+from safecompile.checks.compare import Comparison, compare
+from safecompile.checks.timing import LatencyWindow
+
+from .graphs import GraphRecord, GraphTable
 
 if TYPE_CHECKING:
-    from ._state import Snapshot
+    from safecompile.checks.snapshot import Snapshot
 
 __all__ = ["Figures", "Outcome", "ShadowRunner", "Sink", "drain"]
 

@@ -27,22 +27,15 @@ from typing import Any
 
 import torch
 
-from . import _killswitch as ks
-from ._backend import CompilerFn, compile_function
-from ._breaker import Breaker
-from ._bucketing import BucketTable
-from ._buckets import Bucketer
-from ._compiles import CompileTracker, KnownFailures
-from ._explain import Explanation, explain
-from ._graphs import GraphHooks, GraphRecord, GraphTable, GuardBackend, time_tracing, trace_started
-from ._model import Event, EventKind, Reason, State, Stats
-from ._policies import Rollback, Shadow
-from ._progress import Compiling, watch_compile
-from ._ranks import Agreement, safe_point
-from ._restart import Persisted, restart_key_options
-from ._shadow import ShadowRunner, Sink
-from ._slots import Slots
-from ._source import (
+from safecompile.base import killswitch as ks
+from safecompile.base.model import Event, EventKind, Reason, State, Stats
+from safecompile.base.policies import Rollback, Shadow
+from safecompile.checks.snapshot import Snapshot
+from safecompile.checks.speed import Decision, SpeedPolicy
+from safecompile.fleet.ranks import Agreement, safe_point
+from safecompile.observe.explain import Explanation, explain
+from safecompile.observe.progress import Compiling, watch_compile
+from safecompile.observe.source import (
     SourceLocation,
     dedupe_graph_breaks,
     error_type_name,
@@ -51,8 +44,16 @@ from ._source import (
     safe_message,
     truncate,
 )
-from ._speed import Decision, SpeedPolicy
-from ._state import Snapshot
+from safecompile.persist.restart import Persisted, restart_key_options
+from safecompile.shapes.buckets import Bucketer
+from safecompile.shapes.table import BucketTable
+
+from .backend import CompilerFn, compile_function
+from .breaker import Breaker
+from .compiles import CompileTracker, KnownFailures
+from .graphs import GraphHooks, GraphRecord, GraphTable, GuardBackend, time_tracing, trace_started
+from .shadow import ShadowRunner, Sink
+from .slots import Slots
 
 __all__ = ["Clock", "CompileOptions", "Controller", "Gate", "Sink"]
 
@@ -258,7 +259,7 @@ class Controller:
         counted as calls and are checked against eager. A failure trips the callable as a
         live call would (a user's own error in the example inputs is raised).
         """
-        from ._paths import call_slow  # noqa: PLC0415 - _paths builds on this module
+        from .paths import call_slow  # noqa: PLC0415 - _paths builds on this module
 
         if self.gate.disabled:
             return

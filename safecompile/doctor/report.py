@@ -40,17 +40,18 @@ from typing import Any, Literal
 import torch
 from torch.utils import _pytree as pytree
 
-from ._backend import backend_name, build_compiler, validate_compile_options
-from ._compare import compare
-from ._doctor_html import render_html
-from ._errors import ConfigError
-from ._graphs import random_op
-from ._guard import safe_compile
-from ._model import Event, EventKind, State
-from ._policies import Buckets, Rollback
-from ._progress import spinner
-from ._source import dedupe_graph_breaks, graph_breaks_of, location_of_function
-from ._version import __version__
+from safecompile._version import __version__
+from safecompile.base.errors import ConfigError
+from safecompile.base.model import Event, EventKind, State
+from safecompile.base.policies import Buckets, Rollback
+from safecompile.checks.compare import compare
+from safecompile.guard.backend import backend_name, build_compiler, validate_compile_options
+from safecompile.guard.decorator import safe_compile
+from safecompile.guard.graphs import random_op
+from safecompile.observe.progress import spinner
+from safecompile.observe.source import dedupe_graph_breaks, graph_breaks_of, location_of_function
+
+from .html import render_html
 
 __all__ = [
     "SCHEMA",
@@ -1491,7 +1492,7 @@ def _qualname(fn: object) -> str:
 
 _NOT_USERS = (
     "<frozen ",
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,  # safecompile
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,  # safecompile
     os.path.dirname(os.path.abspath(importlib.__file__)) + os.sep,  # the import machinery
 )
 _MESSAGE_LIMIT = 300

@@ -31,10 +31,11 @@ from opentelemetry import metrics, trace
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from ._log import log_event, report_internal_error
-from ._model import Event, EventKind, Reason
-from ._source import safe_message
-from ._version import __version__
+from safecompile._version import __version__
+from safecompile.base.model import Event, EventKind, Reason
+
+from .log import log_event, report_internal_error
+from .source import safe_message
 
 __all__ = ["SCHEMA_URL", "Telemetry", "configure"]
 

@@ -90,7 +90,10 @@ def _norm(path: str) -> str:
 
 @functools.cache
 def _internal_dirs() -> tuple[str, ...]:
-    dirs = {_norm(os.path.dirname(torch.__file__)), _norm(os.path.dirname(__file__))}
+    dirs = {
+        _norm(os.path.dirname(torch.__file__)),
+        _norm(os.path.dirname(os.path.dirname(__file__))),
+    }
     for name in ("functorch", "torchgen", "triton"):
         found = _package_dir(name)
         if found is not None:

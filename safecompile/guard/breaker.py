@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
-from ._policies import Rollback
+from safecompile.base.policies import Rollback
 
 __all__ = ["Breaker"]
 

@@ -11,16 +11,17 @@ from typing import Any, Protocol, TypeVar, overload, runtime_checkable
 
 import torch
 
-from ._backend import backend_name, build_compiler, validate_compile_options
-from ._buckets import Bucketer, Strategy, resolve_strategy
-from ._controller import Clock, CompileOptions, Controller, Sink
-from ._errors import ConfigError
-from ._fleetswitch import watch as watch_disable_source
-from ._paths import entrypoint, start_background
-from ._policies import Buckets, Rollback, Shadow, Warmup
-from ._ranks import check_group
-from ._remote import activate as activate_remote_cache
-from ._telemetry import Telemetry
+from safecompile.base.errors import ConfigError
+from safecompile.base.policies import Buckets, Rollback, Shadow, Warmup
+from safecompile.fleet.ranks import check_group
+from safecompile.fleet.switch import watch as watch_disable_source
+from safecompile.observe.telemetry import Telemetry
+from safecompile.persist.remote import activate as activate_remote_cache
+from safecompile.shapes.buckets import Bucketer, Strategy, resolve_strategy
+
+from .backend import backend_name, build_compiler, validate_compile_options
+from .controller import Clock, CompileOptions, Controller, Sink
+from .paths import entrypoint, start_background
 
 __all__ = ["Guarded", "safe_compile"]
 
@@ -35,7 +36,7 @@ _UNSET: Any = object()
 @runtime_checkable
 class Guarded(Protocol):
     """What ``safe_compile`` returns for a function: call it like the original;
-    ``.safecompile`` is its :class:`~safecompile._controller.Controller`."""
+    ``.safecompile`` is its :class:`~safecompile.guard.controller.Controller`."""
 
     safecompile: Controller
 

@@ -39,11 +39,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._errors import ConfigError
-from ._model import Event, EventKind, Reason
+from safecompile.base.errors import ConfigError
+from safecompile.base.model import Event, EventKind, Reason
 
 if TYPE_CHECKING:
-    from ._controller import Controller
+    from safecompile.guard.controller import Controller
 
 __all__ = ["Agreement", "Local", "Outcome", "check_group", "safe_point"]
 

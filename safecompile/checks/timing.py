@@ -1,5 +1,5 @@
 """Latency bookkeeping: the A/B percentiles of shadow-checked calls (figures only; the
-speed verdict lives in :mod:`safecompile._speed`)."""
+speed verdict lives in :mod:`safecompile.checks.speed`)."""
 
 from __future__ import annotations
 

@@ -35,14 +35,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ._cache import Verdict, VerdictStore, _write_atomic, artifact_key, cache_root
-from ._log import log_event
+from safecompile.observe.log import log_event
+
+from .cache import Verdict, VerdictStore, _write_atomic, artifact_key, cache_root
 
 if TYPE_CHECKING:
-    from ._bucketing import BucketEntry
-    from ._buckets import Bucketer, CutSpec, Plan
-    from ._controller import CompileOptions
-    from ._policies import Shadow
+    from safecompile.base.policies import Shadow
+    from safecompile.guard.controller import CompileOptions
+    from safecompile.shapes.buckets import Bucketer, CutSpec, Plan
+    from safecompile.shapes.table import BucketEntry
 
 __all__ = [
     "ARTIFACTS",
@@ -119,7 +120,7 @@ class Persisted:
 
     def restore(self, entry: BucketEntry, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """A bucket's first sight in this process: take an earlier process's verdict."""
-        from ._bucketing import BucketStatus  # noqa: PLC0415 - _bucketing imports torch's bits
+        from safecompile.shapes.table import BucketStatus  # noqa: PLC0415 - _bucketing imports torch's bits
 
         entry.looked_up = True
         key = self.key(args, kwargs)
@@ -139,8 +140,8 @@ class Persisted:
     def reuse(self, bucketer: Bucketer, plan: Plan, entry: BucketEntry, padded_out: Any) -> bool:
         """A restored, verified bucket's first padded output: rebuild its cut from the
         verdict, no eager run. ``False`` (verify as new) when the output does not match."""
-        from ._bucketing import BucketStatus  # noqa: PLC0415
-        from ._buckets import BucketError  # noqa: PLC0415
+        from safecompile.shapes.buckets import BucketError  # noqa: PLC0415
+        from safecompile.shapes.table import BucketStatus  # noqa: PLC0415
 
         saved, entry.saved = entry.saved, None
         if saved is None:

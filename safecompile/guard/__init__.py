@@ -1,0 +1,1 @@
+"""The guard: the decorator, the controller, the call paths, graphs, checks and trips."""

@@ -1,0 +1,1 @@
+"""What outlives a process: the local cache directory, the Redis tier, warm restarts."""
