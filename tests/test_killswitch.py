@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any
+
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 import safecompile
 from safecompile import ENV_VAR, EventKind, State, safe_compile
+from safecompile.base import killswitch as ks
 from safecompile.base.killswitch import parse
 from safecompile.testing import RecordingBackend
 
@@ -138,3 +143,115 @@ def test_disable_rejects_non_strings() -> None:
     """disable() takes names or globs as strings."""
     with pytest.raises(TypeError):
         safecompile.disable([3])  # type: ignore[list-item]
+
+
+# ---------------------------------------------------------------- which switch, and doubts
+
+
+@pytest.fixture
+def fresh_doubts() -> Iterator[None]:
+    """Doubts are warned once per process: forget those warned and the names built."""
+    saved = set(ks.SWITCH.warned), set(ks.SWITCH.names)
+    ks.SWITCH.warned.clear()
+    ks.SWITCH.names.clear()
+    yield
+    ks.SWITCH.warned.clear()
+    ks.SWITCH.names.clear()
+    ks.SWITCH.warned.update(saved[0])
+    ks.SWITCH.names.update(saved[1])
+
+
+def _disabled_message(g: Any) -> str:
+    [event] = [e for e in g.safecompile.events() if e.kind is EventKind.DISABLED]
+    return str(event.message)
+
+
+def test_the_disabled_event_names_the_environment_value(
+    monkeypatch: pytest.MonkeyPatch, x: torch.Tensor
+) -> None:
+    """The event says which switch turned the callable off: the variable and its value."""
+    monkeypatch.setenv(ENV_VAR, "ranker.*")
+    g = safe_compile(inc, backend="eager", shadow=None, name="ranker.inc")
+    g(x)
+    assert "SAFECOMPILE_DISABLE='ranker.*' turned this callable off" in _disabled_message(g)
+
+
+def test_the_disabled_event_names_disable_from_code(x: torch.Tensor) -> None:
+    """disable() is named as such, not as the environment."""
+    g = safe_compile(inc, backend="eager", shadow=None, name="ranker.inc")
+    safecompile.disable("ranker.*")
+    g(x)
+    message = _disabled_message(g)
+    assert "disable() turned this callable off" in message
+    assert ENV_VAR not in message
+
+
+def test_the_disabled_event_names_the_watched_source(x: torch.Tensor) -> None:
+    """The fleet's watched source is named with its label."""
+    g = safe_compile(inc, backend="eager", shadow=None, name="ranker.inc")
+    ks.set_watched(parse("ranker.*"), "file:///etc/safecompile/disable")
+    try:
+        g(x)
+        message = _disabled_message(g)
+    finally:
+        ks.set_watched(ks.NOTHING, "unset")
+    assert "the watched source file:///etc/safecompile/disable turned this callable off" in message
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("maybe", "neither a boolean"),
+        ("2", "neither a boolean"),
+        ("y", "neither a boolean"),
+        ("disable", "neither a boolean"),
+        ("ranker.*;embed.*", "separate names with commas ('ranker.*,embed.*')"),
+        ("ranker.* embed.*", "separate names with commas"),
+        ("Ranker.*", "case-sensitive; it would match 'ranker.score'"),
+    ],
+)
+def test_a_doubtful_value_gets_one_warning_naming_it(
+    value: str, says: str, monkeypatch: pytest.MonkeyPatch, fresh_doubts: None, x: torch.Tensor
+) -> None:
+    """An operator's typo disables nothing, but it is not silent: one warning event
+    (logged at WARNING) naming the value and how it was read, once per process."""
+    monkeypatch.setenv(ENV_VAR, value)
+    with capture_logs() as logs:
+        g = safe_compile(inc, backend="eager", shadow=None, name="ranker.score")
+        g(x)
+        h = safe_compile(inc, backend="eager", shadow=None, name="ranker.other")
+        h(x)
+    warnings = [e for e in g.safecompile.events() if e.kind is EventKind.SWITCH_WARNING]
+    assert len(warnings) == 1
+    assert f"SAFECOMPILE_DISABLE={value!r}" in str(warnings[0].message)
+    assert says in str(warnings[0].message)
+    assert not [e for e in h.safecompile.events() if e.kind is EventKind.SWITCH_WARNING]
+    logged = [e for e in logs if e["event"] == "safecompile.switch_warning"]
+    assert len(logged) == 1
+    assert logged[0]["log_level"] == "warning"
+    assert g.safecompile.state == State.COMPILED
+
+
+@pytest.mark.parametrize("value", ["1", "off", "ranker.*", "embed.forward,ranker.score", "solo"])
+def test_a_sound_value_gets_no_warning(
+    value: str, monkeypatch: pytest.MonkeyPatch, fresh_doubts: None, x: torch.Tensor
+) -> None:
+    """Booleans, patterns that match, dotted names meant for other services, and a bare
+    word that is a guarded name are not doubted."""
+    monkeypatch.setenv(ENV_VAR, value)
+    safe_compile(inc, backend="eager", shadow=None, name="solo")
+    g = safe_compile(inc, backend="eager", shadow=None, name="ranker.score")
+    g(x)
+    assert not [e for e in g.safecompile.events() if e.kind is EventKind.SWITCH_WARNING]
+
+
+def test_a_value_set_while_running_is_doubted_at_the_next_call(
+    monkeypatch: pytest.MonkeyPatch, fresh_doubts: None, x: torch.Tensor
+) -> None:
+    """The value is checked when it changes, not only when a guard is built."""
+    g = safe_compile(inc, backend="eager", shadow=None, name="ranker.score")
+    g(x)
+    monkeypatch.setenv(ENV_VAR, "maybe")
+    g(x)
+    kinds = [e.kind for e in g.safecompile.events()]
+    assert kinds.count(EventKind.SWITCH_WARNING) == 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import fnmatch
 import os
+import re
 import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -18,11 +19,15 @@ __all__ = [
     "ENV_VAR",
     "Rule",
     "disable",
+    "doubts",
     "enable",
     "env_token",
     "is_disabled",
     "parse",
+    "register",
     "set_watched",
+    "source_of",
+    "unwarned_doubts",
 ]
 
 ENV_VAR = "SAFECOMPILE_DISABLE"
@@ -72,15 +77,75 @@ def parse(value: str | bytes | None) -> Rule:
     return Rule(patterns=patterns) if patterns else NOTHING
 
 
+_SEPARATORS = re.compile(r"[;|\s]")
+_GLOB = frozenset("*?[")
+
+
+def doubts(value: str | bytes | None, names: Iterable[str]) -> list[tuple[str, str]]:
+    """What in a ``SAFECOMPILE_DISABLE`` value looks like a mistake: ``(pattern,
+    sentence)`` for each doubtful pattern.
+
+    ``names`` are the guarded names known now. Doubted: a separator other than a comma
+    (``ranker.*;embed.*``); a bare word (no dot, no glob) that is neither a boolean nor a
+    guarded name (``maybe``, ``2``, ``y``, ``disable``); a pattern that matches no guarded
+    name but would if case were ignored (``Ranker.*``). A dotted name or glob that matches
+    nothing here is not doubted: one value is often shared by several services.
+    """
+    if value is None:
+        return []
+    text = (os.fsdecode(value) if isinstance(value, bytes) else value).strip()
+    if text.lower() in _OFF or text.lower() in _ALL:
+        return []
+    known = tuple(sorted(names))
+    shown = f"{ENV_VAR}={text!r}"
+    found: list[tuple[str, str]] = []
+    for pattern in (p.strip() for p in text.split(",")):
+        if not pattern or any(fnmatch.fnmatchcase(n, pattern) for n in known):
+            continue
+        if _SEPARATORS.search(pattern):
+            fixed = ",".join(p for p in _SEPARATORS.split(pattern) if p)
+            found.append(
+                (
+                    pattern,
+                    f"{shown}: {pattern!r} was read as one name; separate names with commas"
+                    f" ({fixed!r})",
+                )
+            )
+        elif "." not in pattern and not _GLOB & set(pattern):
+            found.append(
+                (
+                    pattern,
+                    f"{shown}: {pattern!r} was read as a name, but it is neither a boolean"
+                    " (1/true/yes/on/all/* turn everything off, 0/false/no/off nothing)"
+                    " nor a guarded name; it disables nothing",
+                )
+            )
+        else:
+            folded = [n for n in known if fnmatch.fnmatchcase(n.lower(), pattern.lower())]
+            if folded:
+                found.append(
+                    (
+                        pattern,
+                        f"{shown}: {pattern!r} matches no guarded name (names are"
+                        f" case-sensitive; it would match {folded[0]!r}); it disables nothing",
+                    )
+                )
+    return found
+
+
 class _CodeSwitch:
     """What ``disable()`` / ``enable()`` set from code, and what the fleet's watched source
-    says (``watched``, see :mod:`._fleetswitch`); a generation number marks changes."""
+    says (``watched``, see :mod:`safecompile.fleet.switch`); a generation number marks
+    changes. Also the guarded names built so far and the doubts already warned about."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.rule = NOTHING
         self.watched = NOTHING
+        self.watched_label = ""
         self.generation = 0
+        self.names: set[str] = set()
+        self.warned: set[str] = set()
 
     def matches(self, name: str) -> bool:
         """Whether code or the watched source disables the callable named ``name``."""
@@ -118,15 +183,53 @@ def enable() -> None:
         SWITCH.generation += 1
 
 
-def set_watched(rule: Rule) -> bool:
-    """Install what the fleet's watched source disables; ``True`` when that changed (the
-    generation moves, so running callables re-read the switch at their next call)."""
+def set_watched(rule: Rule, label: str | None = None) -> bool:
+    """Install what the fleet's watched source (``label``, as messages name it) disables;
+    ``True`` when that changed (the generation moves, so running callables re-read the
+    switch at their next call)."""
     with SWITCH.lock:
+        if label is not None:
+            SWITCH.watched_label = label
         if rule == SWITCH.watched:
             return False
         SWITCH.watched = rule
         SWITCH.generation += 1
         return True
+
+
+def register(name: str) -> None:
+    """Note a guarded name (what :func:`doubts` checks patterns against)."""
+    with SWITCH.lock:
+        SWITCH.names.add(name)
+
+
+def unwarned_doubts(value: str | bytes | None) -> list[str]:
+    """:func:`doubts` about ``value`` against every registered name, less those already
+    returned once in this process (each is warned about once)."""
+    with SWITCH.lock:
+        names = tuple(SWITCH.names)
+    found = doubts(value, names)
+    text = os.fsdecode(value) if isinstance(value, bytes) else str(value)
+    with SWITCH.lock:
+        fresh = [(f"{text}\0{p}", d) for p, d in found if f"{text}\0{p}" not in SWITCH.warned]
+        SWITCH.warned.update(key for key, _ in fresh)
+    return [sentence for _, sentence in fresh]
+
+
+def source_of(name: str, value: str | bytes | None) -> str | None:
+    """Which switch disables ``name`` (``value`` being the environment's), in words:
+    ``SAFECOMPILE_DISABLE='ranker.*'``, ``disable()`` or the watched source; ``None`` if
+    none does."""
+    if parse(value).matches(name):
+        text = os.fsdecode(value) if isinstance(value, bytes) else str(value)
+        return f"{ENV_VAR}={text.strip()!r}"
+    with SWITCH.lock:
+        if SWITCH.rule.matches(name):
+            return "disable()"
+        if SWITCH.watched.matches(name):
+            label = SWITCH.watched_label
+            return f"the watched source {label}" if label else "the watched source"
+    return None
 
 
 def is_disabled(name: str) -> bool:

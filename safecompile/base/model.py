@@ -53,6 +53,7 @@ class EventKind(str, enum.Enum):
     SHADOW_SKIPPED = "shadow_skipped"  # a shadow check could not be made faithfully
     DISABLED = "disabled"  # the kill switch turned the callable off
     ENABLED = "enabled"  # the kill switch turned it back on
+    SWITCH_WARNING = "switch_warning"  # the kill switch's value looks like a mistake
     RESET = "reset"
     WARMUP_FAILED = "warmup_failed"  # a warmup example raised in eager too
     SPEED_VERDICT = "speed_verdict"  # a graph's speed verdict: it runs compiled or eager

@@ -219,7 +219,7 @@ class Watcher:
         self._apply(rule_of(text), self._source.label)
 
     def _apply(self, rule: ks.Rule, label: str) -> None:
-        if ks.set_watched(rule):
+        if ks.set_watched(rule, label):
             log_event("safecompile.disable_source_changed", source=label, disabled=_describe(rule))
 
     def _failed(self, label: str, reason: str) -> None:

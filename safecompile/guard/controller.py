@@ -189,6 +189,7 @@ class Controller:
         self._rollout_acc = 0.0
         self._zero()
         self._build()
+        ks.register(self.name)
         self.refresh_switch()
         sink.observe_calls(self._call_counts)
 
@@ -453,28 +454,37 @@ class Controller:
 
     def refresh_switch(self) -> None:
         """Re-read the kill switch (the environment, ``disable()`` or the watched source
-        changed)."""
+        changed); the event names the switch that turned this callable off."""
         with self.lock:
             token = ks.env_token()
             generation = ks.SWITCH.generation  # before the rules: a change after is seen
-            disabled = ks.parse(token if isinstance(token, str | bytes) else None).matches(
-                self.name
-            ) or ks.SWITCH.matches(self.name)
+            value = token if isinstance(token, str | bytes) else None
+            source = ks.source_of(self.name, value)
+            disabled = source is not None
             changed = disabled != self.gate.disabled
+            fresh_value = token is not self.gate.token
             self.gate.token = token
             self.gate.generation = generation
             self.gate.disabled = disabled
             self.update_gate()
+        if fresh_value:
+            self._warn_switch_doubts(value)
         if changed:
-            kind = EventKind.DISABLED if disabled else EventKind.ENABLED
             self.record(
                 Event(
-                    kind=kind,
+                    kind=EventKind.DISABLED if disabled else EventKind.ENABLED,
                     time=time.time(),
-                    message=f"kill switch: {ks.ENV_VAR}, disable() or the watched source "
-                    + ("turned this callable off" if disabled else "no longer applies"),
+                    message=f"kill switch: {source} turned this callable off"
+                    if disabled
+                    else "kill switch: no longer applies",
+                    details={"source": source} if source else {},
                 )
             )
+
+    def _warn_switch_doubts(self, value: str | bytes | None) -> None:
+        """One warning event per doubtful part of a ``SAFECOMPILE_DISABLE`` value."""
+        for doubt in ks.unwarned_doubts(value):
+            self.record(Event(kind=EventKind.SWITCH_WARNING, time=time.time(), message=doubt))
 
     def pick_compiled(self) -> bool:
         """Staged rollout: route exactly a ``rollout`` share of calls to compiled."""
