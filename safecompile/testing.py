@@ -306,7 +306,7 @@ class _Recorder:
 def _unwrap(fn: Callable[..., Any]) -> Callable[..., Any]:
     controller = getattr(fn, "safecompile", None)
     if controller is not None:
-        return controller.fn  # type: ignore[no-any-return]
+        return controller._fn  # type: ignore[no-any-return]
     return fn
 
 

@@ -283,7 +283,7 @@ def test_a_spread_past_the_timeout_ends_the_agreement() -> None:
 def test_group_none_adds_nothing() -> None:
     """No group: no agreement object, trips apply at once, ``sync()`` is a no-op."""
     guarded = safe_compile(lambda x: x + 1, backend=RuntimeFailingBackend())
-    assert guarded.safecompile.ranks is None
+    assert guarded.safecompile._ranks is None
     assert torch.equal(guarded(torch.ones(2)), torch.full((2,), 2.0))
     assert guarded.safecompile.sync() == "rolled_back"
     assert guarded.safecompile.report()["ranks"] is None

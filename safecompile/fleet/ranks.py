@@ -281,7 +281,7 @@ def _why(error: BaseException, timeout: float) -> str:
 
 def safe_point(c: Controller, call: int) -> None:
     """Agree with the peers before call ``call`` and switch with them. Never raises."""
-    ranks = c.ranks
+    ranks = c._ranks
     if ranks is None:
         return
     try:
@@ -293,14 +293,14 @@ def safe_point(c: Controller, call: int) -> None:
 
 
 def _safe_point(c: Controller, ranks: Agreement, call: int) -> None:
-    breaker = c.breaker
+    breaker = c._breaker
     held = ranks.take_held()
     last = c.stats().last_rollback if breaker.tripped else None
     retry_at = breaker.retry_at
     local = Local(
         tripped=held is not None or breaker.tripped,
         reason=held.reason if held is not None else (last.reason if last else Reason.MANUAL),
-        ready=held is None and breaker.tripped and retry_at is not None and c.clock() >= retry_at,
+        ready=held is None and breaker.tripped and retry_at is not None and c._clock() >= retry_at,
     )
     outcome = ranks.agree(local, call)
     if outcome is None:  # no agreement (ended, or no group yet): a held trip applies alone
@@ -332,7 +332,7 @@ def _safe_point(c: Controller, ranks: Agreement, call: int) -> None:
 
 
 def _peer_event(c: Controller, message: str) -> Event:
-    where = c.location
+    where = c._location
     return Event(
         kind=EventKind.ROLLBACK,
         reason=Reason.PEER,
@@ -345,15 +345,15 @@ def _peer_event(c: Controller, message: str) -> Event:
 
 
 def _apply(c: Controller, event: Event) -> None:
-    if c.breaker.trip():
-        c.note_trip(event)
+    if c._breaker.trip():
+        c._note_trip(event)
 
 
 def _recover(c: Controller, call: int) -> None:
     """Every rank is tripped and its wait is over: all try the compiled path again."""
-    if not c.breaker.claim_trial():
+    if not c._breaker.claim_trial():
         return
-    c.record(
+    c._record(
         Event(
             kind=EventKind.RETRY,
             time=time.time(),
@@ -361,10 +361,10 @@ def _recover(c: Controller, call: int) -> None:
             details={"call": call},
         )
     )
-    if c.breaker.end_trial():
-        c.table.restart_canary()
-        c.update_gate()
-        c.record(
+    if c._breaker.end_trial():
+        c._table.restart_canary()
+        c._update_gate()
+        c._record(
             Event(
                 kind=EventKind.RECOVERED,
                 time=time.time(),

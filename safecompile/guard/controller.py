@@ -134,28 +134,28 @@ class Controller:
         group: object = None,
     ) -> None:
         self.name = name
-        self.fn = fn
-        self.module = module
-        self.opts = compile_options
-        self.shadow_policy = shadow
-        self.rollback_policy = rollback
-        self.rollout = rollout
-        self.clock = clock
+        self._fn = fn
+        self._module = module
+        self._opts = compile_options
+        self._shadow_policy = shadow
+        self._rollback_policy = rollback
+        self._rollout = rollout
+        self._clock = clock
         self._sink = sink
-        self.location = location_of_function(module if module is not None else fn)
+        self._location = location_of_function(module if module is not None else fn)
 
-        self.lock = threading.RLock()
-        self.gate = Gate()
-        self.slots = Slots()
-        self.breaker = Breaker(rollback, clock)
-        self.ranks = (
+        self._lock = threading.RLock()
+        self._gate = Gate()
+        self._slots = Slots()
+        self._breaker = Breaker(rollback, clock)
+        self._ranks = (
             Agreement(group, every=rollback.sync_every, timeout=rollback.sync_timeout)
             if group is not None
             else None
         )
-        self.compiles = CompileTracker(self.update_gate)
-        self.buckets = BucketTable(bucketer) if bucketer is not None else None
-        self.failures = KnownFailures(
+        self._compiles = CompileTracker(self._update_gate)
+        self._buckets = BucketTable(bucketer) if bucketer is not None else None
+        self._failures = KnownFailures(
             module if module is not None else fn,
             {
                 "backend": compile_options.backend_label,
@@ -165,21 +165,21 @@ class Controller:
                 "extra": {"fullgraph": compile_options.fullgraph},
             },
         )
-        self.persisted = Persisted(
+        self._persisted = Persisted(
             module if module is not None else fn,
             restart_key_options(compile_options, bucketer, shadow),
         )
-        self.speed_policy = (
+        self._speed_policy = (
             SpeedPolicy(ratio=rollback.slower_ratio, min_pairs=rollback.slower_min_samples)
             if rollback.slower_ratio is not None
             else None
         )
-        self.shadow = ShadowRunner(
+        self._shadow = ShadowRunner(
             policy=shadow,
             fn=fn,
             on_breach=self._on_async_breach,
             sink=sink,
-            record=self.record,
+            record=self._record,
             clock=clock,
         )
         self._events: collections.deque[Event] = collections.deque(maxlen=_MAX_EVENTS)
@@ -190,7 +190,7 @@ class Controller:
         self._zero()
         self._build()
         ks.register(self.name)
-        self.refresh_switch()
+        self._refresh_switch()
         sink.observe_calls(self._call_counts)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
@@ -205,24 +205,24 @@ class Controller:
     @property
     def state(self) -> State:
         """Where the callable stands now (see :class:`State`)."""
-        if self.gate.disabled:
+        if self._gate.disabled:
             return State.DISABLED
-        if self.breaker.tripped:
+        if self._breaker.tripped:
             return State.ROLLED_BACK
-        compiled = [g for g in self.table if g.compiled]
+        compiled = [g for g in self._table if g.compiled]
         if not compiled:
-            busy = self.compiles.busy or self._warmups or not self._background.is_set()
+            busy = self._compiles.busy or self._warmups or not self._background.is_set()
             return State.WARMING if busy else State.PENDING
-        if self.shadow_policy is not None and any(g.canary_left > 0 for g in compiled):
+        if self._shadow_policy is not None and any(g.canary_left > 0 for g in compiled):
             return State.CANARY
         return State.COMPILED
 
     def stats(self) -> Stats:
         """A frozen snapshot of the counters."""
-        compiled_calls, eager_calls, limited = self.slots.totals()
-        shadow = self.shadow.figures()
-        with self.lock:
-            graphs = [g for g in self.table if g.compiled]
+        compiled_calls, eager_calls, limited = self._slots.totals()
+        shadow = self._shadow.figures()
+        with self._lock:
+            graphs = [g for g in self._table if g.compiled]
             return Stats(
                 calls=compiled_calls + eager_calls,
                 compiled_calls=compiled_calls,
@@ -243,13 +243,13 @@ class Controller:
                 extra={
                     "latency": shadow.latency,
                     "shadow_queue_full": shadow.queue_full,
-                    "speed": _speed_figures(graphs, on=self.speed_policy is not None),
+                    "speed": _speed_figures(graphs, on=self._speed_policy is not None),
                 },
             )
 
     def events(self) -> tuple[Event, ...]:
         """The most recent events (at most 256), newest last."""
-        with self.lock:
+        with self._lock:
             return tuple(self._events)
 
     def warmup(self, *args: Any, **kwargs: Any) -> None:
@@ -262,16 +262,16 @@ class Controller:
         """
         from .paths import call_slow  # noqa: PLC0415 - _paths builds on this module
 
-        if self.gate.disabled:
+        if self._gate.disabled:
             return
-        with self.lock:
+        with self._lock:
             self._warmups += 1
-            self.update_gate()
+            self._update_gate()
         try:
-            if self.buckets is None:
+            if self._buckets is None:
                 call_slow(self, args, kwargs, warmup=True)
             else:
-                bucketer = self.buckets.bucketer
+                bucketer = self._buckets.bucketer
                 for lengths in bucketer.warmup_calls():  # every combination of sizes
                     sized_args, sized_kwargs = bucketer.resize(args, kwargs, lengths)
                     call_slow(self, sized_args, sized_kwargs, warmup=True)
@@ -281,11 +281,11 @@ class Controller:
                         call_slow(self, sized_args, sized_kwargs, warmup=True)
                     except Exception:  # it cannot take length 1: none will come, skip it
                         continue
-            self.persisted.save_artifacts(self.name)  # torch's artifacts, for a restart
+            self._persisted.save_artifacts(self.name)  # torch's artifacts, for a restart
         finally:
-            with self.lock:
+            with self._lock:
                 self._warmups -= 1
-                self.update_gate()
+                self._update_gate()
 
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Block until a background warmup has finished (``True``), or ``timeout`` passed.
@@ -296,7 +296,7 @@ class Controller:
 
     def rollback(self, reason: Reason | str = Reason.MANUAL) -> None:
         """Trip to eager now."""
-        self.trip(Reason(reason), message="rolled back by a call to rollback()")
+        self._trip(Reason(reason), message="rolled back by a call to rollback()")
 
     def sync(self) -> State:
         """Agree on trips with every rank of the process group now, and return the state.
@@ -306,12 +306,12 @@ class Controller:
         at most ``Rollback(sync_timeout=...)`` for the peers. Without a group: nothing to
         agree, the state is returned.
         """
-        if self.ranks is not None:
-            compiled, eager, _ = self.slots.totals()
+        if self._ranks is not None:
+            compiled, eager, _ = self._slots.totals()
             safe_point(self, compiled + eager)
         return self.state
 
-    def safe_point(self, call: int) -> None:
+    def _safe_point(self, call: int) -> None:
         """The safe point before call ``call`` (0-based), every ``sync_every`` calls."""
         safe_point(self, call)
 
@@ -321,43 +321,43 @@ class Controller:
         The graphs torch holds for this function are dropped too
         (``torch._dynamo.reset_code``), so resets never pile up cache entries.
         """
-        with self.lock:
-            code = getattr(self.fn, "__code__", None)
+        with self._lock:
+            code = getattr(self._fn, "__code__", None)
             if code is not None:
                 torch._dynamo.reset_code(code)  # type: ignore[attr-defined]
-            self.breaker.reset()
-            if self.ranks is not None:
-                self.ranks.take_held()
-            self.compiles.reset()
-            self.slots.clear()
-            self.shadow.reset()
-            self.failures.forget()
-            self.persisted.forget()
-            if self.buckets is not None:
-                self.buckets.clear()
+            self._breaker.reset()
+            if self._ranks is not None:
+                self._ranks.take_held()
+            self._compiles.reset()
+            self._slots.clear()
+            self._shadow.reset()
+            self._failures.forget()
+            self._persisted.forget()
+            if self._buckets is not None:
+                self._buckets.clear()
             self._zero()
             self._build()
-            self.update_gate()
-        self.record(Event(kind=EventKind.RESET, time=time.time(), message="reset()"))
+            self._update_gate()
+        self._record(Event(kind=EventKind.RESET, time=time.time(), message="reset()"))
 
     def report(self) -> dict[str, Any]:
         """Everything above as a JSON-serialisable dict, for tools."""
         return {
             "name": self.name,
             "state": self.state.value,
-            "backend": self.opts.backend_label,
-            "mode": self.opts.mode,
-            "dynamic": self.opts.dynamic,
-            "fullgraph": self.opts.fullgraph,
-            "rollout": self.rollout,
-            "retry_at": self.breaker.retry_at,
+            "backend": self._opts.backend_label,
+            "mode": self._opts.mode,
+            "dynamic": self._opts.dynamic,
+            "fullgraph": self._opts.fullgraph,
+            "rollout": self._rollout,
+            "retry_at": self._breaker.retry_at,
             "stats": self.stats().to_dict(),
-            "graphs": [g.to_dict() for g in self.table],
-            "buckets": self.buckets.report() if self.buckets is not None else {},
-            "bucketing": self.buckets.summary() if self.buckets is not None else None,
+            "graphs": [g.to_dict() for g in self._table],
+            "buckets": self._buckets.report() if self._buckets is not None else {},
+            "bucketing": self._buckets.summary() if self._buckets is not None else None,
             "events": [e.to_dict() for e in self.events()],
-            "source": _location_kwargs(self.location) or None,
-            "ranks": self.ranks.report() if self.ranks is not None else None,
+            "source": _location_kwargs(self._location) or None,
+            "ranks": self._ranks.report() if self._ranks is not None else None,
         }
 
     # ------------------------------------------------------------------ wiring
@@ -372,29 +372,29 @@ class Controller:
 
     def _build(self) -> None:
         """A fresh graph table and the compiled function whose backend fills it."""
-        self.table = GraphTable(self.shadow_policy, self.speed_policy)
+        self._table = GraphTable(self._shadow_policy, self._speed_policy)
         time_tracing()
-        limit = self.rollback_policy.max_recompiles
+        limit = self._rollback_policy.max_recompiles
         hooks = GraphHooks(
-            table=self.table,
-            slots_local=self.slots.local,
+            table=self._table,
+            slots_local=self._slots.local,
             limit=limit,
-            on_compile_start=self.compiles.enter,
-            on_compile_end=self.compiles.leave,
+            on_compile_start=self._compiles.enter,
+            on_compile_end=self._compiles.leave,
             on_graph=self._on_graph,
             snapshot=self._snapshot,
-            bucket_label=lambda: getattr(self.slots.local, "bucket", None),
-            clock=self.clock,
+            bucket_label=lambda: getattr(self._slots.local, "bucket", None),
+            clock=self._clock,
             on_speed=self._on_speed,
             announce=self._announce_compile,
         )
-        opts = self.opts
+        opts = self._opts
         guard_filter = (opts.options or {}).get("guard_filter_fn")
         backend = GuardBackend(opts.compiler, hooks, opts.backend_label)
 
         def build() -> Callable[..., Any]:
             return compile_function(
-                self.fn,
+                self._fn,
                 backend=backend,
                 dynamic=opts.dynamic,
                 fullgraph=opts.fullgraph,
@@ -406,42 +406,42 @@ class Controller:
 
         # torch.compile is called on the first call that takes the compiled path, never
         # while the kill switch is on (API.md §3), not at decoration.
-        self.gate.compiled = _CompileOnFirstUse(self.gate, build)
+        self._gate.compiled = _CompileOnFirstUse(self._gate, build)
 
     def _snapshot(self, graph_args: tuple[Any, ...], copy: bool) -> Any:
-        return Snapshot.take(graph_args, self.module, copy=copy)
+        return Snapshot.take(graph_args, self._module, copy=copy)
 
-    def update_gate(self) -> None:
+    def _update_gate(self) -> None:
         """Recompute the hot path's flag: open only when nothing needs the slow path."""
-        with self.lock:
-            self.gate.fast = (
-                not self.gate.disabled
-                and not self.breaker.tripped
-                and self.rollout >= 1.0
-                and not self.compiles.busy
+        with self._lock:
+            self._gate.fast = (
+                not self._gate.disabled
+                and not self._breaker.tripped
+                and self._rollout >= 1.0
+                and not self._compiles.busy
                 and not self._warmups
                 and self._background.is_set()
-                and len(self.table) > 0
+                and len(self._table) > 0
             )
 
-    def background_warmup(self, *, pending: bool) -> None:
+    def _background_warmup(self, *, pending: bool) -> None:
         """A background warmup starts (``pending``) or ends: while pending, live calls run
         eager and never touch compiled code."""
         if pending:
             self._background.clear()
         else:
             self._background.set()
-        self.update_gate()
+        self._update_gate()
 
     @property
-    def warming_up(self) -> bool:
+    def _warming_up(self) -> bool:
         """Whether a warmup (blocking or background) is compiling now."""
         return bool(self._warmups) or not self._background.is_set()
 
-    def note_warmup_error(self, error: BaseException) -> None:
+    def _note_warmup_error(self, error: BaseException) -> None:
         """A background warmup example raised eagerly too: record it; eager keeps serving."""
-        where, details, explained = self.describe_error(error)
-        self.record(
+        where, details, explained = self._describe_error(error)
+        self._record(
             Event(
                 kind=EventKind.WARMUP_FAILED,
                 time=time.time(),
@@ -452,25 +452,25 @@ class Controller:
             )
         )
 
-    def refresh_switch(self) -> None:
+    def _refresh_switch(self) -> None:
         """Re-read the kill switch (the environment, ``disable()`` or the watched source
         changed); the event names the switch that turned this callable off."""
-        with self.lock:
+        with self._lock:
             token = ks.env_token()
             generation = ks.SWITCH.generation  # before the rules: a change after is seen
             value = token if isinstance(token, str | bytes) else None
             source = ks.source_of(self.name, value)
             disabled = source is not None
-            changed = disabled != self.gate.disabled
-            fresh_value = token is not self.gate.token
-            self.gate.token = token
-            self.gate.generation = generation
-            self.gate.disabled = disabled
-            self.update_gate()
+            changed = disabled != self._gate.disabled
+            fresh_value = token is not self._gate.token
+            self._gate.token = token
+            self._gate.generation = generation
+            self._gate.disabled = disabled
+            self._update_gate()
         if fresh_value:
             self._warn_switch_doubts(value)
         if changed:
-            self.record(
+            self._record(
                 Event(
                     kind=EventKind.DISABLED if disabled else EventKind.ENABLED,
                     time=time.time(),
@@ -484,12 +484,12 @@ class Controller:
     def _warn_switch_doubts(self, value: str | bytes | None) -> None:
         """One warning event per doubtful part of a ``SAFECOMPILE_DISABLE`` value."""
         for doubt in ks.unwarned_doubts(value):
-            self.record(Event(kind=EventKind.SWITCH_WARNING, time=time.time(), message=doubt))
+            self._record(Event(kind=EventKind.SWITCH_WARNING, time=time.time(), message=doubt))
 
-    def pick_compiled(self) -> bool:
+    def _pick_compiled(self) -> bool:
         """Staged rollout: route exactly a ``rollout`` share of calls to compiled."""
-        with self.lock:
-            self._rollout_acc += self.rollout
+        with self._lock:
+            self._rollout_acc += self._rollout
             if self._rollout_acc >= 1.0:
                 self._rollout_acc -= 1.0
                 return True
@@ -497,12 +497,12 @@ class Controller:
 
     # ------------------------------------------------------------------ what happened
 
-    def record(self, event: Event) -> None:
-        with self.lock:
+    def _record(self, event: Event) -> None:
+        with self._lock:
             self._events.append(event)
         self._sink.event(event)
 
-    def trip(
+    def _trip(
         self,
         reason: Reason,
         *,
@@ -520,27 +520,27 @@ class Controller:
         A compile error trips this rank at once (it has no compiled code to run, and
         would compile again on every call); its peers follow at the next safe point.
         """
-        if self.ranks is not None and reason is not Reason.COMPILE_ERROR and self.ranks.holds():
-            if not self.breaker.tripped:
-                self.ranks.hold(
+        if self._ranks is not None and reason is not Reason.COMPILE_ERROR and self._ranks.holds():
+            if not self._breaker.tripped:
+                self._ranks.hold(
                     self._rollback_event(reason, error, message, bucket, graph, max_abs, max_rel)
                 )
             return
-        if not self.breaker.trip() and reason is not Reason.MANUAL:
+        if not self._breaker.trip() and reason is not Reason.MANUAL:
             return
         event = self._rollback_event(reason, error, message, bucket, graph, max_abs, max_rel)
-        self.note_trip(event)
+        self._note_trip(event)
 
-    def note_trip(self, event: Event) -> None:
+    def _note_trip(self, event: Event) -> None:
         """The breaker has just tripped: count it and record its event."""
-        with self.lock:
+        with self._lock:
             self._rollbacks += 1
-            self.update_gate()
-        if self.breaker.wait is not None:
-            event.details["retry_in_s"] = self.breaker.wait
-        with self.lock:
+            self._update_gate()
+        if self._breaker.wait is not None:
+            event.details["retry_in_s"] = self._breaker.wait
+        with self._lock:
             self._last_rollback = event
-        self.record(event)
+        self._record(event)
 
     def _rollback_event(
         self,
@@ -554,14 +554,14 @@ class Controller:
     ) -> Event:
         text = ""
         if error is not None:
-            where, details, explained = self.describe_error(error)
+            where, details, explained = self._describe_error(error)
             text = explained.text
             if reason is Reason.COMPILE_ERROR:
                 # the compile_failed event just before says it in full: refer to it
                 del details["error_message"]
                 text = f"compile failed: {explained.summary} (see compile_failed)"
         else:
-            where, details = _location_kwargs(self.location), {}
+            where, details = _location_kwargs(self._location), {}
         if graph is not None:
             details["graph"] = graph.id
             details["graph_inputs"] = graph.label
@@ -578,21 +578,21 @@ class Controller:
             **where,
         )
 
-    def compile_failed(
+    def _compile_failed(
         self, error: BaseException, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> None:
         """A compile raised (not the user's own error): persist it and say so."""
-        self.failures.persist(self.name, error, args, kwargs)
+        self._failures.persist(self.name, error, args, kwargs)
         started = trace_started()
-        where, details, explained = self.describe_error(error)
-        with self.lock:
+        where, details, explained = self._describe_error(error)
+        with self._lock:
             self._compile_errors += 1
-        self.record(
+        self._record(
             Event(
                 kind=EventKind.COMPILE_FAILED,
                 reason=Reason.COMPILE_ERROR,
                 time=time.time(),
-                bucket=getattr(self.slots.local, "bucket", None),
+                bucket=getattr(self._slots.local, "bucket", None),
                 duration_s=time.perf_counter() - started if started is not None else None,
                 error_type=error_type_name(error),
                 message=explained.text,
@@ -603,27 +603,27 @@ class Controller:
 
     def _announce_compile(self, graph: str, started: float) -> Callable[[], None]:
         """A compile starts (on the compiling thread): say so if it takes a while."""
-        bucket = getattr(self.slots.local, "bucket", None)
+        bucket = getattr(self._slots.local, "bucket", None)
         return watch_compile(self.name, bucket or graph, started, self._compiling)
 
     def _compiling(self, compiling: Compiling) -> None:
         """A compile is still running after ~2 s (on the timer's thread)."""
-        self.record(
+        self._record(
             Event(
                 kind=EventKind.COMPILING,
                 time=time.time(),
                 bucket=compiling.graph,
                 message=f"still compiling after {compiling.elapsed():.0f} s: {compiling.graph}",
-                **_location_kwargs(self.location),
+                **_location_kwargs(self._location),
             )
         )
 
-    def describe_error(
+    def _describe_error(
         self, error: BaseException
     ) -> tuple[dict[str, Any], dict[str, Any], Explanation]:
-        """:meth:`error_where`, and the error in plain words (:mod:`._explain`); the raw
+        """:meth:`_error_where`, and the error in plain words (:mod:`._explain`); the raw
         text goes in ``details["error_message"]``, its kind in ``details["error_kind"]``."""
-        where, details = self.error_where(error)
+        where, details = self._error_where(error)
         location = (
             SourceLocation(where["file"], where.get("line"), where.get("function"))
             if where
@@ -634,15 +634,15 @@ class Controller:
         details["error_message"] = safe_message(error)
         return where, details, explained
 
-    def error_where(self, error: BaseException) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _error_where(self, error: BaseException) -> tuple[dict[str, Any], dict[str, Any]]:
         """The user's source location of an error, and where generated code raised it."""
-        where, generated = location_of_error(error, self.module or self.fn)
+        where, generated = location_of_error(error, self._module or self._fn)
         details = {"generated_file": generated} if generated is not None else {}
-        return _location_kwargs(where or self.location), details
+        return _location_kwargs(where or self._location), details
 
     def _on_graph(self, graph: GraphRecord, gm: torch.fx.GraphModule) -> None:
         """The backend made a graph (on the compiling thread, inside the call)."""
-        with self.lock:
+        with self._lock:
             # A break is seen from both sides (the graph it ends, the one resuming after
             # it): each is told once, on the graph where it first shows.
             breaks = []
@@ -656,11 +656,11 @@ class Controller:
             first_limit = not graph.compiled and not self._limit_said
             if first_limit:
                 self._limit_said = True
-        slot = self.slots.get()
+        slot = self._slots.get()
         slot.new = [graph] if slot.new is None else [*slot.new, graph]
         where = graph.bucket if graph.bucket is not None else f"graph {graph.id}"
         if graph.compiled:
-            self.record(
+            self._record(
                 Event(
                     kind=EventKind.COMPILED,
                     time=time.time(),
@@ -669,12 +669,12 @@ class Controller:
                     message=f"compiled graph {graph.id} ({graph.label}) with "
                     f"{len(breaks)} graph break(s)",
                     details={"graph": graph.id, "graphs": 1, "graph_breaks": breaks},
-                    **_location_kwargs(self.location),
+                    **_location_kwargs(self._location),
                 )
             )
         elif first_limit:
-            limit = self.rollback_policy.max_recompiles
-            self.record(
+            limit = self._rollback_policy.max_recompiles
+            self._record(
                 Event(
                     kind=EventKind.RECOMPILE_LIMIT,
                     reason=Reason.RECOMPILE_LIMIT,
@@ -686,19 +686,19 @@ class Controller:
                         "compiled graphs keep serving"
                     ),
                     details={"graph": graph.id},
-                    **_location_kwargs(self.location),
+                    **_location_kwargs(self._location),
                 )
             )
-        if graph.unchecked is not None and self.shadow_policy is not None:
-            self.shadow.skip_graph(graph, graph.unchecked)
+        if graph.unchecked is not None and self._shadow_policy is not None:
+            self._shadow.skip_graph(graph, graph.unchecked)
 
     def _on_speed(self, graph: GraphRecord, decision: Decision) -> None:
         """A graph's speed verdict (on the calling thread): say so; when every compiled
         graph runs eager, roll the callable back (``slower``)."""
-        assert self.speed_policy is not None
-        limit = self.speed_policy.ratio
+        assert self._speed_policy is not None
+        limit = self._speed_policy.ratio
         arm = "eager" if decision.eager else "compiled"
-        self.record(
+        self._record(
             Event(
                 kind=EventKind.SPEED_VERDICT,
                 time=time.time(),
@@ -711,12 +711,12 @@ class Controller:
                 ),
                 details={"graph": graph.id, "graph_inputs": graph.label, "code": graph.code}
                 | decision.to_dict(),
-                **_location_kwargs(self.location),
+                **_location_kwargs(self._location),
             )
         )
         if not decision.eager:
             return
-        measured = [(g, g.speed) for g in self.table if g.compiled and g.speed is not None]
+        measured = [(g, g.speed) for g in self._table if g.compiled and g.speed is not None]
         if not all(speed.eager for _, speed in measured):
             return
         lost = "; ".join(
@@ -724,7 +724,7 @@ class Controller:
             for g, speed in measured
             if speed.last is not None
         )
-        self.trip(
+        self._trip(
             Reason.SLOWER,
             message=f"every compiled graph is slower than eager (slower_ratio={limit}): {lost}",
             graph=graph,
@@ -733,10 +733,10 @@ class Controller:
     def _on_async_breach(
         self, graph: GraphRecord | None, message: str, max_abs: float, max_rel: float
     ) -> None:
-        self.trip(Reason.DRIFT, message=message, graph=graph, max_abs=max_abs, max_rel=max_rel)
+        self._trip(Reason.DRIFT, message=message, graph=graph, max_abs=max_abs, max_rel=max_rel)
 
     def _call_counts(self) -> tuple[int, int]:
-        compiled, eager, _ = self.slots.totals()
+        compiled, eager, _ = self._slots.totals()
         return compiled, eager
 
 

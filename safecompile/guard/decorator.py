@@ -68,12 +68,12 @@ class _ModuleForward:
         return self._call(*args, **kwargs)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        module = self.safecompile.module
+        module = self.safecompile._module
         assert module is not None
         return _plain_forward(memo.get(id(module), module))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        module = self.safecompile.module
+        module = self.safecompile._module
         assert module is not None
         return (_plain_forward, (module,))
 

@@ -49,21 +49,21 @@ _NONE: Any = None  # typed Any: the call below changes what the slot holds
 def entrypoint(c: Controller) -> Callable[..., Any]:
     """The guarded function (see the module doc). With a process group, every call is
     counted for the ranks' safe points (:mod:`._ranks`); without one, nothing is added."""
-    if c.ranks is not None:
-        return c.ranks.counting(_entrypoint(c), c.safe_point)
+    if c._ranks is not None:
+        return c._ranks.counting(_entrypoint(c), c._safe_point)
     return _entrypoint(c)
 
 
 def _entrypoint(c: Controller) -> Callable[..., Any]:
-    if c.buckets is not None:
+    if c._buckets is not None:
         return _bucketed_entrypoint(c)
-    gate = c.gate
-    fn = c.fn
-    local = c.slots.local
-    new_slot = c.slots.get
+    gate = c._gate
+    fn = c._fn
+    local = c._slots.local
+    new_slot = c._slots.get
     env_get, env_key = _env_reader()
     switch = ks.SWITCH
-    refresh = c.refresh_switch
+    refresh = c._refresh_switch
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
         if env_get(env_key) is not gate.token or switch.generation != gate.generation:
@@ -98,20 +98,20 @@ def _entrypoint(c: Controller) -> Callable[..., Any]:
 
 def _bucketed_entrypoint(c: Controller) -> Callable[..., Any]:
     """The hot path with buckets: plan, pad, call, cut back (see :func:`entrypoint`)."""
-    assert c.buckets is not None
-    gate = c.gate
-    fn = c.fn
-    local = c.slots.local
-    new_slot = c.slots.get
+    assert c._buckets is not None
+    gate = c._gate
+    fn = c._fn
+    local = c._slots.local
+    new_slot = c._slots.get
     env_get, env_key = _env_reader()
     switch = ks.SWITCH
-    refresh = c.refresh_switch
-    bucketer = c.buckets.bucketer
-    entries = c.buckets.entries
+    refresh = c._refresh_switch
+    bucketer = c._buckets.bucketer
+    entries = c._buckets.entries
     plan_of = bucketer.plan
     pad = bucketer.pad
     unpad = bucketer.unpad
-    pads = c.buckets.pads
+    pads = c._buckets.pads
     ready = BucketStatus.READY
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
@@ -196,16 +196,16 @@ def finish(
             first.prep = True  # a later graph is due: capture the state at the first
         else:
             first.prep = False
-            compiled_s = c.clock() - slot.started if new is None else None
-            verdict = c.shadow.check(
-                c.table, due, snapshot, args, kwargs, out, compiled_s=compiled_s
+            compiled_s = c._clock() - slot.started if new is None else None
+            verdict = c._shadow.check(
+                c._table, due, snapshot, args, kwargs, out, compiled_s=compiled_s
             )
             if verdict.use_eager:
                 if not warmup:
                     slot.eager += 1
                 return verdict.eager_out
             if verdict.breach is not None:
-                c.trip(
+                c._trip(
                     Reason.DRIFT,
                     message=verdict.breach,
                     graph=verdict.graph,
@@ -230,7 +230,7 @@ def _count(slot: Slot, *, eager: bool) -> None:
 def _took_eager_arm(c: Controller) -> bool:
     """Whether a graph of this call ran its eager arm (see ``_graphs._instrument``);
     clears the note for the next call."""
-    local = c.slots.local
+    local = c._slots.local
     if getattr(local, "speed_eager", False):
         local.speed_eager = False
         return True
@@ -248,7 +248,7 @@ def recover(
     warmup: bool = False,
 ) -> Any:
     """The compiled path raised: answer with eager's result, or eager's own error."""
-    slot = c.slots.get()
+    slot = c._slots.get()
     slot.end()
     _took_eager_arm(c)
     if entry is not None and _bucket_fault(c, failure, entry):
@@ -256,7 +256,7 @@ def recover(
     user_error: Exception | None = None
     out: Any = None
     try:
-        out = c.fn(*args, **kwargs)
+        out = c._fn(*args, **kwargs)
     except Exception as exc:
         user_error = exc
     if not warmup:
@@ -265,10 +265,10 @@ def recover(
         del failure  # eager raises too: the user's own error, not the compiler's
         raise user_error
     if isinstance(failure, _COMPILE_ERRORS):
-        c.compile_failed(failure, args, kwargs)
-        c.trip(Reason.COMPILE_ERROR, error=failure, bucket=entry.label if entry else None)
+        c._compile_failed(failure, args, kwargs)
+        c._trip(Reason.COMPILE_ERROR, error=failure, bucket=entry.label if entry else None)
     else:
-        c.trip(Reason.RUNTIME_ERROR, error=failure, bucket=entry.label if entry else None)
+        c._trip(Reason.RUNTIME_ERROR, error=failure, bucket=entry.label if entry else None)
     return out
 
 
@@ -278,11 +278,13 @@ def _bucket_fault(c: Controller, failure: Exception, entry: BucketEntry) -> bool
     if isinstance(failure, BucketError):
         reject_bucket(c, entry, f"padding or cutting back failed: {failure}")
         return True
-    assert c.buckets is not None
+    assert c._buckets is not None
     # A range's first compile failing while other graphs compiled fine is the range's
     # fault; with nothing compiled yet it is the compiler's: trip, as without buckets.
     first_range_compile = (
-        not c.buckets.pads and entry.status is BucketStatus.NEW and any(g.compiled for g in c.table)
+        not c._buckets.pads
+        and entry.status is BucketStatus.NEW
+        and any(g.compiled for g in c._table)
     )
     if _constraint_violation(failure) or (
         first_range_compile and isinstance(failure, _COMPILE_ERRORS)
@@ -309,9 +311,9 @@ def eager(c: Controller, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmu
     """Run eager and count it (a warmup call runs nothing: its result is discarded)."""
     if warmup:
         return None
-    slot = c.slots.get()
+    slot = c._slots.get()
     try:
-        return c.fn(*args, **kwargs)
+        return c._fn(*args, **kwargs)
     finally:
         slot.eager += 1
 
@@ -327,14 +329,14 @@ def call_slow(
     if admitted is None:
         return eager(c, args, kwargs, warmup=warmup)
     trial = admitted == "trial"
-    slot = c.slots.get()
+    slot = c._slots.get()
     before = slot.compiled
     try:
-        if len(c.table) > 0:
+        if len(c._table) > 0:
             return _call_compiled(c, slot, args, kwargs, force=trial or warmup, warmup=warmup)
         # Nothing compiled yet: own the first compile, so other threads serve eager
         # instead of compiling the same graph again (torch does not de-duplicate).
-        with c.compiles.claim(exclusive=True) as mine:
+        with c._compiles.claim(exclusive=True) as mine:
             if not mine and not warmup:
                 return eager(c, args, kwargs, warmup=warmup)
             return _call_compiled(c, slot, args, kwargs, force=trial or warmup, warmup=warmup)
@@ -348,31 +350,31 @@ def _admit(
 ) -> str | None:
     """Whether this call may try the compiled path: ``"trial"`` (the half-open trial),
     ``"compiled"``, or ``None`` (eager serves it)."""
-    if c.gate.disabled:
+    if c._gate.disabled:
         return None
-    if c.breaker.tripped:
+    if c._breaker.tripped:
         # with a process group, trials are agreed at safe points, never taken alone
-        return _claim_trial(c) if not warmup and c.ranks is None else None
+        return _claim_trial(c) if not warmup and c._ranks is None else None
     if not warmup and (
-        (c.rollout < 1.0 and not c.pick_compiled())
-        or c.warming_up
-        or c.compiles.busy_elsewhere()  # a compile is in flight elsewhere: eager meanwhile
+        (c._rollout < 1.0 and not c._pick_compiled())
+        or c._warming_up
+        or c._compiles.busy_elsewhere()  # a compile is in flight elsewhere: eager meanwhile
     ):
         return None
-    known = c.failures.known(args, kwargs) if c.failures.active else None
+    known = c._failures.known(args, kwargs) if c._failures.active else None
     if known is not None:
-        c.trip(Reason.COMPILE_ERROR, message=known)
+        c._trip(Reason.COMPILE_ERROR, message=known)
         return None
-    if len(c.table) == 0 and c.persisted.active:
-        c.persisted.load_artifacts(args, kwargs)  # once: torch's artifacts, if needed
+    if len(c._table) == 0 and c._persisted.active:
+        c._persisted.load_artifacts(args, kwargs)  # once: torch's artifacts, if needed
     return "compiled"
 
 
 def _claim_trial(c: Controller) -> str | None:
     """A tripped callable: this call is the half-open trial, once the wait is over."""
-    if not c.breaker.claim_trial():
+    if not c._breaker.claim_trial():
         return None
-    c.record(
+    c._record(
         Event(kind=EventKind.RETRY, time=time.time(), message="trying the compiled path again")
     )
     return "trial"
@@ -382,13 +384,13 @@ def _end_trial(c: Controller, *, served: bool) -> None:
     """The trial call ended: close the breaker if compiled served it and nothing tripped
     it again; a trial served eagerly (its bucket runs eager) leaves the next call to try."""
     if not served:
-        c.breaker.end_trial_unserved()
+        c._breaker.end_trial_unserved()
         return
-    if c.breaker.end_trial():
-        c.table.restart_canary()
-        c.table.restart_speed()
-        c.update_gate()
-        c.record(
+    if c._breaker.end_trial():
+        c._table.restart_canary()
+        c._table.restart_speed()
+        c._update_gate()
+        c._record(
             Event(kind=EventKind.RECOVERED, time=time.time(), message="compiled path serves again")
         )
 
@@ -405,29 +407,29 @@ def _call_compiled(
     """Call the compiled function from the slow path (buckets planned here)."""
     plan: Plan | None = None
     entry: BucketEntry | None = None
-    if c.buckets is not None:
-        plan = c.buckets.bucketer.plan(args, kwargs)
+    if c._buckets is not None:
+        plan = c._buckets.bucketer.plan(args, kwargs)
         if plan is not None and plan.status == "oversize":
-            if c.buckets.bucketer.policy.oversize == "eager":
+            if c._buckets.bucketer.policy.oversize == "eager":
                 return eager(c, args, kwargs, warmup=warmup)
             plan = None  # compile the shape as it is
         elif plan is not None and plan.status != "bucketed":
             plan = None  # unbucketable: run it unpadded
         if plan is not None:
-            entry = c.buckets.entry(plan)
+            entry = c._buckets.entry(plan)
             if not entry.looked_up:  # what an earlier process learnt (_restart)
-                c.persisted.restore(entry, args, kwargs)
+                c._persisted.restore(entry, args, kwargs)
             if entry.status is BucketStatus.REJECTED:
                 return eager(c, args, kwargs, warmup=warmup)
     slot.begin()
     slot.force = force
-    c.slots.local.bucket = entry.label if entry is not None else None
-    c.slots.local.speed_eager = False
+    c._slots.local.bucket = entry.label if entry is not None else None
+    c._slots.local.speed_eager = False
     try:
         if plan is not None and entry is not None:
             return _call_bucket(c, slot, plan, entry, args, kwargs, warmup=warmup)
         try:
-            out = c.gate.compiled(*args, **kwargs)
+            out = c._gate.compiled(*args, **kwargs)
         except Exception as exc:
             failure: Exception = exc
         else:
@@ -435,7 +437,7 @@ def _call_compiled(
         return recover(c, failure, args, kwargs, warmup=warmup)
     finally:
         slot.force = False
-        c.slots.local.bucket = None
+        c._slots.local.bucket = None
 
 
 def _call_bucket(
@@ -448,16 +450,16 @@ def _call_bucket(
     *,
     warmup: bool,
 ) -> Any:
-    assert c.buckets is not None
-    bucketer = c.buckets.bucketer
-    padded = c.buckets.pads and plan.padded
+    assert c._buckets is not None
+    bucketer = c._buckets.bucketer
+    padded = c._buckets.pads and plan.padded
     marked: list[tuple[torch.Tensor, dict[str, Any]]] = []
-    if not c.buckets.pads and entry.status is BucketStatus.NEW:
-        marked = c.buckets.mark_range(plan, args, kwargs)
+    if not c._buckets.pads and entry.status is BucketStatus.NEW:
+        marked = c._buckets.mark_range(plan, args, kwargs)
     failure: Exception | None = None
     try:
         call_args, call_kwargs = bucketer.pad(plan, args, kwargs) if padded else (args, kwargs)
-        out = c.gate.compiled(*call_args, **call_kwargs)
+        out = c._gate.compiled(*call_args, **call_kwargs)
     except Exception as exc:
         failure = exc
     finally:
@@ -467,7 +469,7 @@ def _call_bucket(
     if (
         padded
         and entry.cuts is None
-        and not c.persisted.reuse(c.buckets.bucketer, plan, entry, out)
+        and not c._persisted.reuse(c._buckets.bucketer, plan, entry, out)
     ):
         return _verify_bucket(c, slot, plan, entry, out, args, kwargs, warmup=warmup)
     if padded:
@@ -498,12 +500,12 @@ def _verify_bucket(
     """A bucket's first padded call: learn its output cut and verify its padding against
     unpadded eager — on the caller's own tensors, so eager's result can be returned
     with its gradients. Runs with shadow checks on or off."""
-    assert c.buckets is not None
-    bucketer = c.buckets.bucketer
+    assert c._buckets is not None
+    bucketer = c._buckets.bucketer
     due, first = slot.due, slot.first
     slot.end()
     served_eager = _took_eager_arm(c)  # the graph ran eagerly: padding is verified alone
-    eager_out = c.fn(*args, **kwargs)
+    eager_out = c._fn(*args, **kwargs)
     try:
         if bucketer.policy.outputs is not None:
             cuts = bucketer.declared_cuts(plan, padded_out)
@@ -513,16 +515,16 @@ def _verify_bucket(
     except (BucketError, ValueError) as exc:
         reject_bucket(c, entry, f"outputs cannot be cut back: {exc}")
         return _served_eager(slot, eager_out, warmup=warmup)
-    rtol, atol = c.shadow.tolerances()
+    rtol, atol = c._shadow.tolerances()
     result = compare(out, eager_out, rtol=rtol, atol=atol)
-    c.shadow.note(first, entry.label, result)
+    c._shadow.note(first, entry.label, result)
     for graph in due or ():
-        c.table.checked(graph)
+        c._table.checked(graph)
     if result.ok:
         if not cuts.ambiguous:  # else right for this call only: a later call learns again
             entry.cuts = cuts
             entry.status = BucketStatus.READY
-            c.persisted.keep_verified(entry, cuts, c.name)
+            c._persisted.keep_verified(entry, cuts, c.name)
         if not warmup:
             entry.count(plan, padded=True)
             _count(slot, eager=served_eager)
@@ -530,7 +532,7 @@ def _verify_bucket(
     # Padding's fault, or the compiler's? Eager on the padded inputs tells.
     with torch.no_grad():
         padded_args, padded_kwargs = bucketer.pad(plan, args, kwargs)
-        padded_eager = bucketer.unpad(plan, c.fn(*padded_args, **padded_kwargs), cuts)
+        padded_eager = bucketer.unpad(plan, c._fn(*padded_args, **padded_kwargs), cuts)
     padding = compare(padded_eager, eager_out, rtol=rtol, atol=atol)
     if not padding.ok:
         reject_bucket(
@@ -541,7 +543,7 @@ def _verify_bucket(
             max_rel=padding.max_rel,
         )
     else:
-        c.trip(
+        c._trip(
             Reason.DRIFT,
             message=result.reason or "outputs differ",
             bucket=entry.label,
@@ -568,13 +570,13 @@ def reject_bucket(
     max_rel: float | None = None,
 ) -> None:
     """Stop using a bucket: its calls run eager from now on (the callable stays up)."""
-    with c.lock:
+    with c._lock:
         if entry.status is BucketStatus.REJECTED:
             return
         entry.status = BucketStatus.REJECTED
         entry.why = truncate(why, 300)
-    c.persisted.keep_rejected(entry, truncate(why, 300), c.name)
-    c.record(
+    c._persisted.keep_rejected(entry, truncate(why, 300), c.name)
+    c._record(
         Event(
             kind=EventKind.BUCKET_REJECTED,
             reason=Reason.DRIFT,
@@ -583,9 +585,9 @@ def reject_bucket(
             message=truncate(f"bucket not used: {why}"),
             max_abs_diff=max_abs,
             max_rel_diff=max_rel,
-            file=c.location.file if c.location else None,
-            line=c.location.line if c.location else None,
-            function=c.location.function if c.location else None,
+            file=c._location.file if c._location else None,
+            line=c._location.line if c._location else None,
+            function=c._location.function if c._location else None,
         )
     )
 
@@ -601,9 +603,9 @@ def start_background(c: Controller, run: Callable[[], None], *, nice: int | None
     runs: an eager call on another thread in that window can fail. That one-time trace
     is done here, before any live call can overlap it.
     """
-    if c.opts.backend_label == "inductor":
+    if c._opts.backend_label == "inductor":
         _close_symbolic_trace_window()
-    c.background_warmup(pending=True)
+    c._background_warmup(pending=True)
 
     def work() -> None:
         try:
@@ -611,9 +613,9 @@ def start_background(c: Controller, run: Callable[[], None], *, nice: int | None
                 lower_priority(nice)
             run()
         except Exception as exc:
-            c.note_warmup_error(exc)
+            c._note_warmup_error(exc)
         finally:
-            c.background_warmup(pending=False)
+            c._background_warmup(pending=False)
 
     threading.Thread(target=work, name=f"safecompile-warmup:{c.name}", daemon=True).start()
 
