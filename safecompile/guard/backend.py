@@ -15,10 +15,9 @@ from typing import Any
 import torch
 
 from safecompile.base.errors import ConfigError
+from safecompile.base.options import CompilerFn
 
 __all__ = ["backend_name", "build_compiler", "compile_function", "validate_compile_options"]
-
-CompilerFn = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
 
 
 def _known_backends() -> list[str]:

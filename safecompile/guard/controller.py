@@ -21,14 +21,14 @@ from __future__ import annotations
 import collections
 import threading
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from safecompile.base import killswitch as ks
 from safecompile.base.model import Event, EventKind, Reason, State, Stats
+from safecompile.base.options import Clock, CompileOptions
 from safecompile.base.policies import Rollback, Shadow
 from safecompile.checks.snapshot import Snapshot
 from safecompile.checks.speed import Decision, SpeedPolicy
@@ -48,30 +48,20 @@ from safecompile.persist.restart import Persisted, restart_key_options
 from safecompile.shapes.buckets import Bucketer
 from safecompile.shapes.table import BucketTable
 
-from .backend import CompilerFn, compile_function
+from .backend import compile_function
 from .breaker import Breaker
 from .compiles import CompileTracker, KnownFailures
 from .graphs import GraphHooks, GraphRecord, GraphTable, GuardBackend, time_tracing, trace_started
 from .shadow import ShadowRunner, Sink
 from .slots import Slots
 
-__all__ = ["Clock", "CompileOptions", "Controller", "Gate", "Sink"]
+__all__ = ["Controller", "Gate", "Sink", "WarmCall"]
 
 _MAX_EVENTS = 256
-Clock = Callable[[], float]
 
-
-@dataclass(frozen=True, slots=True)
-class CompileOptions:
-    """What is handed to ``torch.compile`` (validated by the decorator)."""
-
-    backend: str | Callable[..., Any]
-    backend_label: str
-    mode: str | None
-    options: Mapping[str, Any] | None
-    dynamic: bool | None
-    fullgraph: bool
-    compiler: CompilerFn
+WarmCall = Callable[["Controller", tuple[Any, ...], dict[str, Any]], object]
+"""One warmup call down the slow path (:func:`safecompile.guard.paths.warm_call`: the
+paths build on this module, so the decorator hands it in)."""
 
 
 class Gate:
@@ -132,6 +122,7 @@ class Controller:
         module: torch.nn.Module | None = None,
         bucketer: Bucketer | None = None,
         group: object = None,
+        warm_call: WarmCall,
     ) -> None:
         self.name = name
         self._fn = fn
@@ -141,12 +132,13 @@ class Controller:
         self._rollback_policy = rollback
         self._rollout = rollout
         self._clock = clock
+        self._warm_call = warm_call
         self._sink = sink
         self._location = location_of_function(module if module is not None else fn)
 
         self._lock = threading.RLock()
         self._gate = Gate()
-        self._slots = Slots()
+        self._slots: Slots[GraphRecord] = Slots()
         self._breaker = Breaker(rollback, clock)
         self._ranks = (
             Agreement(group, every=rollback.sync_every, timeout=rollback.sync_timeout)
@@ -260,8 +252,6 @@ class Controller:
         counted as calls and are checked against eager. A failure trips the callable as a
         live call would (a user's own error in the example inputs is raised).
         """
-        from .paths import call_slow  # noqa: PLC0415 - _paths builds on this module
-
         if self._gate.disabled:
             return
         with self._lock:
@@ -269,16 +259,16 @@ class Controller:
             self._update_gate()
         try:
             if self._buckets is None:
-                call_slow(self, args, kwargs, warmup=True)
+                self._warm_call(self, args, kwargs)
             else:
                 bucketer = self._buckets.bucketer
                 for lengths in bucketer.warmup_calls():  # every combination of sizes
                     sized_args, sized_kwargs = bucketer.resize(args, kwargs, lengths)
-                    call_slow(self, sized_args, sized_kwargs, warmup=True)
+                    self._warm_call(self, sized_args, sized_kwargs)
                 for lengths in bucketer.warmup_specialised():  # length 1, dynamic ranges
                     sized_args, sized_kwargs = bucketer.resize(args, kwargs, lengths)
                     try:
-                        call_slow(self, sized_args, sized_kwargs, warmup=True)
+                        self._warm_call(self, sized_args, sized_kwargs)
                     except Exception:  # it cannot take length 1: none will come, skip it
                         continue
             self._persisted.save_artifacts(self.name)  # torch's artifacts, for a restart

@@ -12,6 +12,7 @@ from typing import Any, Protocol, TypeVar, overload, runtime_checkable
 import torch
 
 from safecompile.base.errors import ConfigError
+from safecompile.base.options import Clock, CompileOptions
 from safecompile.base.policies import Buckets, Rollback, Shadow, Warmup
 from safecompile.fleet.ranks import check_group
 from safecompile.fleet.switch import watch as watch_disable_source
@@ -20,8 +21,8 @@ from safecompile.persist.remote import activate as activate_remote_cache
 from safecompile.shapes.buckets import Bucketer, Strategy, resolve_strategy
 
 from .backend import backend_name, build_compiler, validate_compile_options
-from .controller import Clock, CompileOptions, Controller, Sink
-from .paths import entrypoint, start_background
+from .controller import Controller, Sink
+from .paths import entrypoint, start_background, warm_call
 
 __all__ = ["Guarded", "safe_compile"]
 
@@ -392,6 +393,7 @@ def _controller(
         module=module,
         bucketer=bucketer,
         group=config.group,
+        warm_call=warm_call,
     )
 
 

@@ -30,6 +30,7 @@ from torch._dynamo.source import LocalSource
 from torch._dynamo.symbolic_convert import InstructionTranslator
 from torch._dynamo.variables.nn_module import NNModuleVariable, UnspecializedNNModuleVariable
 
+from safecompile.base.options import CompilerFn
 from safecompile.base.policies import FOREVER, Shadow
 from safecompile.checks.speed import Decision, GraphSpeed, SpeedPolicy, serve
 from safecompile.observe.source import graph_breaks_of
@@ -37,6 +38,7 @@ from safecompile.observe.source import graph_breaks_of
 from .slots import Slot
 
 __all__ = [
+    "CallSlot",
     "GraphHooks",
     "GraphRecord",
     "GraphTable",
@@ -46,8 +48,6 @@ __all__ = [
     "time_tracing",
     "trace_started",
 ]
-
-CompilerFn = Callable[[torch.fx.GraphModule, list[Any]], Callable[..., Any]]
 
 
 @dataclass(slots=True, eq=False)
@@ -88,6 +88,10 @@ class GraphRecord:
             "mutates_state": self.mutates,
             "speed": self.speed.to_dict() if self.speed is not None else None,
         }
+
+
+CallSlot = Slot[GraphRecord]
+"""A thread's call slot, holding this module's graph records."""
 
 
 class GraphTable:
@@ -294,7 +298,7 @@ def _instrument(
     sync = eager.sync
 
     def served_eager() -> None:
-        slot: Slot = local.slot
+        slot: CallSlot = local.slot
         if slot.due is None:
             slot.due = []  # not the hot path's count: finish() counts the call as eager
         local.speed_eager = True
@@ -308,7 +312,7 @@ def _instrument(
 
     def run(*args: Any) -> Any:
         try:
-            slot: Slot = local.slot
+            slot: CallSlot = local.slot
         except AttributeError:  # not called through the guard (torch internals): just run
             return inner(*args)
         n = record.calls + 1

@@ -32,9 +32,9 @@ from safecompile.shapes.buckets import BucketError, Plan
 from safecompile.shapes.table import BucketEntry, BucketStatus, unmark
 
 from .controller import Controller
-from .slots import Slot
+from .graphs import CallSlot
 
-__all__ = ["call_slow", "entrypoint", "finish", "recover"]
+__all__ = ["call_slow", "entrypoint", "finish", "recover", "warm_call"]
 
 # Exceptions raised while dynamo traces or a backend compiles (not by compiled code).
 _COMPILE_ERRORS: tuple[type[BaseException], ...] = (
@@ -70,7 +70,7 @@ def _entrypoint(c: Controller) -> Callable[..., Any]:
             refresh()
         if gate.fast:
             try:
-                slot: Slot = local.slot
+                slot: CallSlot = local.slot
             except AttributeError:
                 slot = new_slot()
             slot.first = _NONE  # the graph wrappers fill these in during the call
@@ -128,7 +128,7 @@ def _bucketed_entrypoint(c: Controller) -> Callable[..., Any]:
                     and (entry.cuts is not None or not padded)
                 ):
                     try:
-                        slot: Slot = local.slot
+                        slot: CallSlot = local.slot
                     except AttributeError:
                         slot = new_slot()
                     slot.first = _NONE
@@ -172,7 +172,7 @@ def _env_reader() -> tuple[Callable[[object], object], object]:
 
 def finish(
     c: Controller,
-    slot: Slot,
+    slot: CallSlot,
     out: Any,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
@@ -220,7 +220,7 @@ def finish(
     return out
 
 
-def _count(slot: Slot, *, eager: bool) -> None:
+def _count(slot: CallSlot, *, eager: bool) -> None:
     if eager:
         slot.eager += 1
     else:
@@ -345,6 +345,11 @@ def call_slow(
             _end_trial(c, served=slot.compiled > before)
 
 
+def warm_call(c: Controller, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """One warmup call (:meth:`Controller.warmup`): the slow path, checked, not counted."""
+    return call_slow(c, args, kwargs, warmup=True)
+
+
 def _admit(
     c: Controller, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmup: bool
 ) -> str | None:
@@ -397,7 +402,7 @@ def _end_trial(c: Controller, *, served: bool) -> None:
 
 def _call_compiled(
     c: Controller,
-    slot: Slot,
+    slot: CallSlot,
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     *,
@@ -442,7 +447,7 @@ def _call_compiled(
 
 def _call_bucket(
     c: Controller,
-    slot: Slot,
+    slot: CallSlot,
     plan: Plan,
     entry: BucketEntry,
     args: tuple[Any, ...],
@@ -488,7 +493,7 @@ def _call_bucket(
 
 def _verify_bucket(
     c: Controller,
-    slot: Slot,
+    slot: CallSlot,
     plan: Plan,
     entry: BucketEntry,
     padded_out: Any,
@@ -554,7 +559,7 @@ def _verify_bucket(
     return _served_eager(slot, eager_out, warmup=warmup)
 
 
-def _served_eager(slot: Slot, out: Any, *, warmup: bool) -> Any:
+def _served_eager(slot: CallSlot, out: Any, *, warmup: bool) -> Any:
     if warmup:
         return None
     slot.eager += 1

@@ -10,17 +10,17 @@ dead, for ``stats()``.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
     from safecompile.checks.snapshot import Snapshot
 
-    from .graphs import GraphRecord
-
 __all__ = ["Slot", "Slots"]
 
+G = TypeVar("G")  # the graph record (:class:`safecompile.guard.graphs.GraphRecord`)
 
-class Slot:
+
+class Slot(Generic[G]):
     """One thread's view of its current call, and its counters."""
 
     __slots__ = (
@@ -39,11 +39,11 @@ class Slot:
         self.compiled = 0  # calls served by compiled graphs
         self.eager = 0  # calls served eagerly
         self.limited = 0  # of those, eager because of the recompile limit
-        self.first: GraphRecord | None = None  # the first graph that ran in this call
-        self.due: list[GraphRecord] | None = None  # graphs whose check is due
+        self.first: G | None = None  # the first graph that ran in this call
+        self.due: list[G] | None = None  # graphs whose check is due
         self.force = False  # check this call whatever the countdowns say (trials, warmup)
         self.snapshot: Snapshot | None = None  # state before the first graph ran
-        self.new: list[GraphRecord] | None = None  # graphs compiled during this call
+        self.new: list[G] | None = None  # graphs compiled during this call
         self.started = 0.0  # clock when the first graph of a checked call started
 
     def begin(self) -> None:
@@ -58,19 +58,19 @@ class Slot:
         self.new = None
 
 
-class Slots:
+class Slots(Generic[G]):
     """The slots of one guarded callable, one per calling thread."""
 
     def __init__(self) -> None:
         self.local: Any = threading.local()
         self._lock = threading.Lock()
-        self._all: list[tuple[threading.Thread, Slot]] = []
-        self._gone = Slot()  # the counts of threads that have ended
+        self._all: list[tuple[threading.Thread, Slot[G]]] = []
+        self._gone: Slot[G] = Slot()  # the counts of threads that have ended
 
-    def get(self) -> Slot:
+    def get(self) -> Slot[G]:
         """This thread's slot (made on its first call)."""
         try:
-            slot: Slot = self.local.slot
+            slot: Slot[G] = self.local.slot
         except AttributeError:
             slot = Slot()
             self.local.slot = slot

@@ -32,6 +32,7 @@ import urllib.parse
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
+from safecompile.base.options import Clock
 from safecompile.observe.log import log_event
 
 __all__ = [
@@ -72,7 +73,6 @@ TORCH_FLAGS: tuple[tuple[str, str, str], ...] = (
 )
 
 T = TypeVar("T")
-Clock = Callable[[], float]
 
 
 class RemoteUnavailableError(Exception):

@@ -40,8 +40,8 @@ from safecompile.observe.log import log_event
 from .cache import Verdict, VerdictStore, _write_atomic, artifact_key, cache_root
 
 if TYPE_CHECKING:
+    from safecompile.base.options import CompileOptions
     from safecompile.base.policies import Shadow
-    from safecompile.guard.controller import CompileOptions
     from safecompile.shapes.buckets import Bucketer, CutSpec, Plan
     from safecompile.shapes.table import BucketEntry
 
