@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -100,3 +101,19 @@ def test_a_comparison_that_fails_answers_with_eager(monkeypatch: pytest.MonkeyPa
     assert stats.calls == stats.eager_calls == 1
     assert stats.rollbacks == 0
     assert any("could not be compared" in (e.message or "") for e in g.safecompile.events())
+
+
+def _scale(x: torch.Tensor, y: torch.Tensor, n: int) -> torch.Tensor:
+    return (x * n).sum(1) + y.sum(1)
+
+
+def test_graph_inputs_read_without_torchs_symbol_names() -> None:
+    """A dim that varies reads as a letter (equal dims the same letter), the sizes dynamo
+    lifts out of tensors are not listed, and an int that varies reads ``int``."""
+    g = safe_compile(_scale, backend="eager", shadow=None, name="tests.scale")
+    for rows, cols in ((3, 4), (5, 6), (7, 8)):
+        g(torch.randn(rows, cols), torch.randn(rows, 2), rows)
+    texts = [graph["inputs"] for graph in g.safecompile.report()["graphs"]]
+    assert texts[0] == "3x4:float32, 3x2:float32"
+    assert sorted(texts[-1].split(", ")) == ["Nx2:float32", "NxM:float32", "int"]
+    assert not any(re.search(r"\bs\d+|SymInt", t) for t in texts), texts

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import itertools
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,7 +27,7 @@ from torch._dynamo.side_effects import (  # type: ignore[attr-defined]
     AttributeMutationNew,
     ValueMutationNew,
 )
-from torch._dynamo.source import LocalSource
+from torch._dynamo.source import LocalSource, TensorPropertySource
 from torch._dynamo.symbolic_convert import InstructionTranslator
 from torch._dynamo.variables.nn_module import NNModuleVariable, UnspecializedNNModuleVariable
 
@@ -471,9 +472,34 @@ def mutates_in_place(gm: torch.fx.GraphModule) -> bool:
     return False
 
 
+_SYMBOL = re.compile(r"\b[su]\d+\b")
+#: What a dim that varies is called in a graph's description, in order of appearance.
+DIM_LETTERS = "NMKLPQRT"
+
+
+class _DimNames:
+    """torch's symbols (``s77``, ``u0``) as the letters a person reads (``N``, ``M``, ...),
+    the same symbol always the same letter, so equal dims read equal."""
+
+    def __init__(self) -> None:
+        self.names: dict[str, str] = {}
+
+    def __call__(self, dim: object) -> str:
+        return _SYMBOL.sub(self._letter, str(dim)).replace(" ", "")
+
+    def _letter(self, match: re.Match[str]) -> str:
+        symbol = match.group(0)
+        if symbol not in self.names:
+            n = len(self.names)
+            self.names[symbol] = DIM_LETTERS[n] if n < len(DIM_LETTERS) else f"N{n}"
+        return self.names[symbol]
+
+
 def describe_inputs(gm: torch.fx.GraphModule) -> str:
-    """The graph's user inputs as text (parameters and buffers left out)."""
+    """The graph's user inputs as text (parameters, buffers and the sizes dynamo lifts
+    out of tensors left out): ``Nx32:float32, int``, a dim that varies as a letter."""
     parts = []
+    dims = _DimNames()
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
@@ -482,10 +508,12 @@ def describe_inputs(gm: torch.fx.GraphModule) -> str:
             continue
         value = node.meta.get("example_value", node.meta.get("val"))
         if isinstance(value, torch.Tensor):
-            shape = "x".join(str(d) for d in value.shape) or "scalar"
+            shape = "x".join(dims(d) for d in value.shape) or "scalar"
             parts.append(f"{shape}:{str(value.dtype).removeprefix('torch.')}")
+        elif isinstance(getattr(node.meta.get("grapharg"), "source", None), TensorPropertySource):
+            continue  # a size dynamo lifted out of a tensor: not an argument of the user's
         elif isinstance(value, torch.SymInt | int | float | bool):
-            parts.append(type(value).__name__)
+            parts.append("int" if isinstance(value, torch.SymInt) else type(value).__name__)
     text = ", ".join(parts) or "no tensor inputs"
     return text if len(text) <= 160 else text[:157] + "..."
 
