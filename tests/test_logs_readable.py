@@ -21,7 +21,14 @@ import torch
 
 from safecompile import EventKind, safe_compile
 from safecompile.observe.log import LINE_LIMIT, readable_line
-from safecompile.observe.progress import SLOW_COMPILE_S, Compiling, spinner, watch_compile
+from safecompile.observe import progress
+from safecompile.observe.progress import (
+    PLAIN_EVERY_S,
+    SLOW_COMPILE_S,
+    Compiling,
+    spinner,
+    watch_compile,
+)
 from safecompile.testing import BlockingBackend
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -100,10 +107,14 @@ def test_demo_never_repeats_a_description(demo: tuple[list[str], str]) -> None:
     assert len(summary) == len(set(summary)), summary
 
 
-def test_demo_prints_no_progress_when_not_a_terminal(demo: tuple[list[str], str]) -> None:
+def test_demo_progress_off_a_terminal_is_whole_short_lines(demo: tuple[list[str], str]) -> None:
+    """Piped, the demo never draws in place; a slow compile's progress is whole lines."""
     _, stderr = demo
     assert "\r" not in stderr
-    assert "compiling demo." not in stderr
+    for line in stderr.splitlines():
+        if line.startswith("compiling demo."):
+            assert len(line) <= LINE_LIMIT, line
+            assert re.fullmatch(r"compiling demo\.\S+ \[.*\] \u2026 \d+ s", line), line
 
 
 # ---------------------------------------------------------------------------- the line
@@ -274,19 +285,94 @@ def test_spinner_on_a_terminal_shows_then_clears_the_line() -> None:
     assert text.rstrip("\r ").count("\r") >= 1
 
 
-def test_spinner_prints_nothing_when_not_a_terminal() -> None:
+def test_spinner_off_a_terminal_writes_whole_lines_every_few_seconds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a pipe or a CI log a long compile is never silent: one whole line when it turns
+    slow, then one every PLAIN_EVERY_S seconds (time scripted), never a carriage return."""
     stream = io.StringIO()
+    timers: list[FakeTimer] = []
+    waits: list[float] = []
+    script = [False, False]  # two intervals pass, then the compile is waited on
+    scripted = threading.Event()
+
+    def wait(done: threading.Event, seconds: float) -> bool:
+        waits.append(seconds)
+        if script:
+            return script.pop(0)
+        scripted.set()
+        return done.wait(60)
+
+    def make(delay: float, fn: Callable[[], None]) -> FakeTimer:
+        timers.append(FakeTimer(delay, fn))
+        return timers[-1]
+
+    monkeypatch.setattr(progress, "_wait", wait)
+    with spinner(stream):
+        end = watch_compile("demo.ranker", "Nx32:float32", 0.0, lambda _c: None, timer=make)
+        timers[0].fire()
+        assert scripted.wait(60)
+        end()
+    lines = stream.getvalue().split("\n")
+    assert lines[-1] == ""  # every line ends
+    assert len(lines[:-1]) == 3
+    for line in lines[:-1]:
+        assert re.fullmatch(r"compiling demo\.ranker \[Nx32:float32\] \u2026 \d+ s", line)
+    assert "\r" not in stream.getvalue()
+    assert waits[:3] == [PLAIN_EVERY_S] * 3
+    assert PLAIN_EVERY_S <= 5.0
+
+
+def _visible(text: str) -> list[str]:
+    """What a terminal shows for ``text``: each ``\\r`` returns to the line's start and
+    later characters overwrite earlier ones."""
+    shown = []
+    for raw in text.split("\n"):
+        cells: list[str] = []
+        column = 0
+        for char in raw:
+            if char == "\r":
+                column = 0
+                continue
+            if column < len(cells):
+                cells[column] = char
+            else:
+                cells.append(char)
+            column += 1
+        shown.append("".join(cells).rstrip())
+    return shown
+
+
+def test_spinner_clears_its_line_before_a_log_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A log line written to the same terminal while the spinner shows starts on a clean
+    line (never ``… 34 s   log: compiled ...``), and the spinner's line is gone when the
+    compile ends, before end() returns."""
+    monkeypatch.setattr(progress, "_TICK_S", 3600.0)  # no redraw during the test
+    terminal = FakeTerminal()
+    handler = logging.StreamHandler(terminal)
+    handler.setFormatter(logging.Formatter("log: %(message)s"))
+    logger = logging.getLogger("safecompile")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
     timers: list[FakeTimer] = []
 
     def make(delay: float, fn: Callable[[], None]) -> FakeTimer:
         timers.append(FakeTimer(delay, fn))
         return timers[-1]
 
-    with spinner(stream):
-        end = watch_compile("f", "g", 0.0, lambda _c: None, timer=make)
-        timers[0].fire()
-        end()
-    assert stream.getvalue() == ""
+    try:
+        with spinner(terminal):
+            end = watch_compile("demo.ranker", "8x32:float32", 0.0, lambda _c: None, timer=make)
+            timers[0].fire()
+            assert "compiling demo.ranker" in _visible(terminal.getvalue())[-1]
+            logger.info("compiled demo.ranker [33.8 s]")
+            end()
+            after_end = terminal.getvalue()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    assert _visible(after_end) == ["log: compiled demo.ranker [33.8 s]", ""]
+    assert handler.stream is terminal  # the handler's own stream is given back
 
 
 def test_on_slow_failing_never_breaks_a_compile() -> None:
