@@ -20,8 +20,8 @@ import structlog.testing
 import torch
 
 from safecompile import EventKind, safe_compile
-from safecompile.observe.log import LINE_LIMIT, readable_line
 from safecompile.observe import progress
+from safecompile.observe.log import LINE_LIMIT, readable_line
 from safecompile.observe.progress import (
     PLAIN_EVERY_S,
     SLOW_COMPILE_S,
