@@ -491,3 +491,49 @@ def test_warmup_nice_is_validated(nice: object) -> None:
     """nice must be an int from 0 to 19, or None."""
     with pytest.raises(ConfigError, match=r"Warmup\(nice=\.\.\.\)"):
         Warmup(inputs=[], nice=nice)  # type: ignore[arg-type]
+
+
+def test_a_slower_trip_with_retry_after_recovers_and_backs_off(clock: FakeClock) -> None:
+    """After a ``slower`` rollback, the trial runs the compiled path it tries (not the
+    graph's eager arm): one retry, the callable recovers, its speed is measured afresh;
+    still slower, it trips again soon after, with a doubled wait (calls of 1-2 ms)."""
+    backend = LatencyBackend(clock, compiled=lambda _n: 0.002, eager=0.001)
+    g = safe_compile(
+        affine,
+        backend=backend,
+        dynamic=False,
+        shadow=Shadow(canary=2),
+        rollback=Rollback(retry_after=10),
+        clock=clock,
+    )
+    x = torch.randn(4)
+    c = g.safecompile
+
+    def calls(count: int) -> None:
+        for _ in range(count):
+            torch.testing.assert_close(g(x), affine(x), rtol=0, atol=0)
+
+    calls(400)
+    first = c.stats().last_rollback
+    assert c.state is State.ROLLED_BACK
+    assert first is not None
+    assert first.reason is Reason.SLOWER
+    assert first.details["retry_in_s"] == 10
+    clock.advance(10)
+    compiled_before = c.stats().compiled_calls
+    calls(50)
+    kinds = [e.kind for e in c.events()]
+    assert kinds.count(EventKind.RETRY) == 1
+    assert kinds[-2:] == [EventKind.RETRY, EventKind.RECOVERED]
+    assert c.state in (State.CANARY, State.COMPILED)
+    assert c.stats().compiled_calls - compiled_before == 50  # the trial and every call after
+    graph = c.report()["graphs"][0]["speed"]
+    assert graph["serving"] == "compiled"
+    assert graph["measuring"] is False  # measured afresh, after its warm-up
+    calls(400)  # still 2x slower: a new verdict, and a longer wait (backoff)
+    again = c.stats().last_rollback
+    assert c.state is State.ROLLED_BACK
+    assert again is not None
+    assert again is not first
+    assert again.reason is Reason.SLOWER
+    assert again.details["retry_in_s"] == 20

@@ -28,24 +28,20 @@ point. Retries (``retry_after``) are agreed as well: never taken by one rank alo
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import itertools
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from safecompile.base.errors import ConfigError
-from safecompile.base.model import Event, EventKind, Reason
+from safecompile.base.model import Event, Reason
 
-if TYPE_CHECKING:
-    from safecompile.guard.controller import Controller
-
-__all__ = ["Agreement", "Local", "Outcome", "check_group", "safe_point"]
+__all__ = ["Agreement", "Local", "Outcome", "check_group"]
 
 # Reason codes on the wire: position + 1 (0: not tripped). Every rank runs the same code.
 _CODES: tuple[Reason, ...] = tuple(Reason)
@@ -274,101 +270,3 @@ def _why(error: BaseException, timeout: float) -> str:
     if "timed out" in text.lower() or isinstance(error, TimeoutError):
         return f"no answer from a peer within sync_timeout={timeout}s ({kind})"
     return f"the safe point's collective failed ({kind}: {text})"
-
-
-# ---------------------------------------------------------------------- applying outcomes
-
-
-def safe_point(c: Controller, call: int) -> None:
-    """Agree with the peers before call ``call`` and switch with them. Never raises."""
-    ranks = c._ranks
-    if ranks is None:
-        return
-    try:
-        _safe_point(c, ranks, call)
-    except Exception as exc:  # pragma: no cover - a bug here must not break the call
-        ranks.broken = f"the safe point failed: {type(exc).__name__}"
-        with contextlib.suppress(Exception):  # the peers will time out: go eager too
-            _apply(c, _peer_event(c, ranks.broken))
-
-
-def _safe_point(c: Controller, ranks: Agreement, call: int) -> None:
-    breaker = c._breaker
-    held = ranks.take_held()
-    last = c.stats().last_rollback if breaker.tripped else None
-    retry_at = breaker.retry_at
-    local = Local(
-        tripped=held is not None or breaker.tripped,
-        reason=held.reason if held is not None else (last.reason if last else Reason.MANUAL),
-        ready=held is None and breaker.tripped and retry_at is not None and c._clock() >= retry_at,
-    )
-    outcome = ranks.agree(local, call)
-    if outcome is None:  # no agreement (ended, or no group yet): a held trip applies alone
-        if held is not None:
-            _apply(c, held)
-        return
-    where = {"call": call, "rank": outcome.rank, "ranks": outcome.world}
-    if outcome.failure is not None:
-        event = held if held is not None else _peer_event(c, outcome.failure)
-        event.details.update(where, sync_error=outcome.failure)
-        _apply(c, event)
-        return
-    if not outcome.trip:
-        return
-    if outcome.recover:
-        _recover(c, call)
-        return
-    if held is not None:  # this rank's own verdict, agreed
-        _apply(c, replace(held, time=time.time(), details={**held.details, **where}))
-        return
-    origin_reason = outcome.origin_reason.value if outcome.origin_reason else "unknown"
-    event = _peer_event(
-        c,
-        f"rank {outcome.origin} of {outcome.world} tripped ({origin_reason}): every rank "
-        f"leaves the compiled path at call {call}",
-    )
-    event.details.update(where, peer_rank=outcome.origin, peer_reason=origin_reason)
-    _apply(c, event)
-
-
-def _peer_event(c: Controller, message: str) -> Event:
-    where = c._location
-    return Event(
-        kind=EventKind.ROLLBACK,
-        reason=Reason.PEER,
-        time=time.time(),
-        message=message,
-        file=where.file if where else None,
-        line=where.line if where else None,
-        function=where.function if where else None,
-    )
-
-
-def _apply(c: Controller, event: Event) -> None:
-    if c._breaker.trip():
-        c._note_trip(event)
-
-
-def _recover(c: Controller, call: int) -> None:
-    """Every rank is tripped and its wait is over: all try the compiled path again."""
-    if not c._breaker.claim_trial():
-        return
-    c._record(
-        Event(
-            kind=EventKind.RETRY,
-            time=time.time(),
-            message=f"every rank tries the compiled path again at call {call}",
-            details={"call": call},
-        )
-    )
-    if c._breaker.end_trial():
-        c._table.restart_canary()
-        c._update_gate()
-        c._record(
-            Event(
-                kind=EventKind.RECOVERED,
-                time=time.time(),
-                message="compiled path serves again on every rank",
-                details={"call": call},
-            )
-        )

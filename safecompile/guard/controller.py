@@ -4,7 +4,8 @@ A :class:`Controller` owns the parts, each in the module named for it:
 
 - :mod:`._graphs`: one record per graph torch compiles (canary, counters), made by the
   backend that wraps the user's;
-- :mod:`._breaker`: tripped or not, backoff, the one-call half-open trial;
+- :mod:`.trips`: the breaker (tripped or not, backoff, the half-open trial), this
+  rank's side of the agreement with its peers, and the one way back from a trip;
 - :mod:`._compiles`: the compile in flight (single flight) and persisted failures;
 - :mod:`._restart`: bucket verdicts and torch's compile artifacts across restarts;
 - :mod:`._shadow` and :mod:`._state`: checks against eager, state-safe;
@@ -32,7 +33,7 @@ from safecompile.base.options import Clock, CompileOptions
 from safecompile.base.policies import Rollback, Shadow
 from safecompile.checks.snapshot import Snapshot
 from safecompile.checks.speed import Decision, SpeedPolicy
-from safecompile.fleet.ranks import Agreement, safe_point
+from safecompile.fleet.ranks import Agreement
 from safecompile.observe.explain import Explanation, explain
 from safecompile.observe.progress import Compiling, watch_compile
 from safecompile.observe.source import (
@@ -49,11 +50,11 @@ from safecompile.shapes.buckets import Bucketer
 from safecompile.shapes.table import BucketTable
 
 from .backend import compile_function
-from .breaker import Breaker
 from .compiles import CompileTracker, KnownFailures
 from .graphs import GraphHooks, GraphRecord, GraphTable, GuardBackend, time_tracing, trace_started
 from .shadow import ShadowRunner, Sink
 from .slots import Slots
+from .trips import TripHooks, Trips
 
 __all__ = ["Controller", "Gate", "Sink", "WarmCall"]
 
@@ -139,11 +140,21 @@ class Controller:
         self._lock = threading.RLock()
         self._gate = Gate()
         self._slots: Slots[GraphRecord] = Slots()
-        self._breaker = Breaker(rollback, clock)
-        self._ranks = (
+        self._trips = Trips(
+            rollback,
+            clock,
+            TripHooks(
+                record=self._record,
+                counted=self._note_trip,
+                update_gate=self._update_gate,
+                restart_canary=self._restart_canary,
+                restart_speed=self._restart_speed,
+                last_reason=self._last_reason,
+                location=self._location,
+            ),
             Agreement(group, every=rollback.sync_every, timeout=rollback.sync_timeout)
             if group is not None
-            else None
+            else None,
         )
         self._compiles = CompileTracker(self._update_gate)
         self._buckets = BucketTable(bucketer) if bucketer is not None else None
@@ -195,11 +206,16 @@ class Controller:
     # ------------------------------------------------------------------ public controller
 
     @property
+    def _ranks(self) -> Agreement | None:
+        """The agreement with the peers of a process group (``None`` without one)."""
+        return self._trips.ranks
+
+    @property
     def state(self) -> State:
         """Where the callable stands now (see :class:`State`)."""
         if self._gate.disabled:
             return State.DISABLED
-        if self._breaker.tripped:
+        if self._trips.tripped:
             return State.ROLLED_BACK
         compiled = [g for g in self._table if g.compiled]
         if not compiled:
@@ -298,12 +314,12 @@ class Controller:
         """
         if self._ranks is not None:
             compiled, eager, _ = self._slots.totals()
-            safe_point(self, compiled + eager)
+            self._trips.safe_point(compiled + eager)
         return self.state
 
     def _safe_point(self, call: int) -> None:
         """The safe point before call ``call`` (0-based), every ``sync_every`` calls."""
-        safe_point(self, call)
+        self._trips.safe_point(call)
 
     def reset(self) -> None:
         """Forget trips, verdicts and compiled graphs: back to ``"pending"``.
@@ -315,9 +331,7 @@ class Controller:
             code = getattr(self._fn, "__code__", None)
             if code is not None:
                 torch._dynamo.reset_code(code)  # type: ignore[attr-defined]
-            self._breaker.reset()
-            if self._ranks is not None:
-                self._ranks.take_held()
+            self._trips.reset()
             self._compiles.reset()
             self._slots.clear()
             self._shadow.reset()
@@ -340,7 +354,7 @@ class Controller:
             "dynamic": self._opts.dynamic,
             "fullgraph": self._opts.fullgraph,
             "rollout": self._rollout,
-            "retry_at": self._breaker.retry_at,
+            "retry_at": self._trips.breaker.retry_at,
             "stats": self.stats().to_dict(),
             "graphs": [g.to_dict() for g in self._table],
             "buckets": self._buckets.report() if self._buckets is not None else {},
@@ -406,7 +420,7 @@ class Controller:
         with self._lock:
             self._gate.fast = (
                 not self._gate.disabled
-                and not self._breaker.tripped
+                and not self._trips.tripped
                 and self._rollout >= 1.0
                 and not self._compiles.busy
                 and not self._warmups
@@ -505,32 +519,40 @@ class Controller:
     ) -> None:
         """Send every later call to eager (until ``retry_after``, or ``reset()``).
 
-        With a process group the trip is held, and every rank switches at the next safe
-        point (:mod:`._ranks`); the call that tripped has its answer from eager already.
-        A compile error trips this rank at once (it has no compiled code to run, and
-        would compile again on every call); its peers follow at the next safe point.
+        With a process group, a drift or a compile error trips this rank at once and its
+        peers follow at the next safe point; any other verdict is held until then, and
+        every rank switches together (:mod:`.trips`). The call that tripped has its
+        answer from eager already.
         """
-        if self._ranks is not None and reason is not Reason.COMPILE_ERROR and self._ranks.holds():
-            if not self._breaker.tripped:
-                self._ranks.hold(
-                    self._rollback_event(reason, error, message, bucket, graph, max_abs, max_rel)
-                )
-            return
-        if not self._breaker.trip() and reason is not Reason.MANUAL:
-            return
-        event = self._rollback_event(reason, error, message, bucket, graph, max_abs, max_rel)
-        self._note_trip(event)
+        self._trips.trip(
+            reason,
+            lambda: self._rollback_event(reason, error, message, bucket, graph, max_abs, max_rel),
+        )
 
     def _note_trip(self, event: Event) -> None:
         """The breaker has just tripped: count it and record its event."""
         with self._lock:
             self._rollbacks += 1
             self._update_gate()
-        if self._breaker.wait is not None:
-            event.details["retry_in_s"] = self._breaker.wait
+        wait = self._trips.breaker.wait
+        if wait is not None:
+            event.details["retry_in_s"] = wait
         with self._lock:
             self._last_rollback = event
         self._record(event)
+
+    def _restart_canary(self) -> None:
+        """After a recovery, every compiled graph is watched again from the start."""
+        self._table.restart_canary()
+
+    def _restart_speed(self) -> None:
+        """The speed verdict starts afresh (a trial, a recovery): compiled serves, and a
+        new measurement starts after the warm-up."""
+        self._table.restart_speed()
+
+    def _last_reason(self) -> Reason | None:
+        last = self._last_rollback
+        return last.reason if last is not None else None
 
     def _rollback_event(
         self,

@@ -342,7 +342,7 @@ def call_slow(
             return _call_compiled(c, slot, args, kwargs, force=trial or warmup, warmup=warmup)
     finally:
         if trial:
-            _end_trial(c, served=slot.compiled > before)
+            c._trips.end_trial(served=slot.compiled > before)
 
 
 def warm_call(c: Controller, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -357,9 +357,8 @@ def _admit(
     ``"compiled"``, or ``None`` (eager serves it)."""
     if c._gate.disabled:
         return None
-    if c._breaker.tripped:
-        # with a process group, trials are agreed at safe points, never taken alone
-        return _claim_trial(c) if not warmup and c._ranks is None else None
+    if c._trips.tripped:
+        return "trial" if not warmup and c._trips.claim_trial() else None
     if not warmup and (
         (c._rollout < 1.0 and not c._pick_compiled())
         or c._warming_up
@@ -373,31 +372,6 @@ def _admit(
     if len(c._table) == 0 and c._persisted.active:
         c._persisted.load_artifacts(args, kwargs)  # once: torch's artifacts, if needed
     return "compiled"
-
-
-def _claim_trial(c: Controller) -> str | None:
-    """A tripped callable: this call is the half-open trial, once the wait is over."""
-    if not c._breaker.claim_trial():
-        return None
-    c._record(
-        Event(kind=EventKind.RETRY, time=time.time(), message="trying the compiled path again")
-    )
-    return "trial"
-
-
-def _end_trial(c: Controller, *, served: bool) -> None:
-    """The trial call ended: close the breaker if compiled served it and nothing tripped
-    it again; a trial served eagerly (its bucket runs eager) leaves the next call to try."""
-    if not served:
-        c._breaker.end_trial_unserved()
-        return
-    if c._breaker.end_trial():
-        c._table.restart_canary()
-        c._table.restart_speed()
-        c._update_gate()
-        c._record(
-            Event(kind=EventKind.RECOVERED, time=time.time(), message="compiled path serves again")
-        )
 
 
 def _call_compiled(
