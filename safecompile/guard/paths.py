@@ -16,9 +16,11 @@ return. Everything else is a slow path:
 
 from __future__ import annotations
 
+import atexit
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -596,7 +598,28 @@ def start_background(c: Controller, run: Callable[[], None], *, nice: int | None
         finally:
             c._background_warmup(pending=False)
 
-    threading.Thread(target=work, name=f"safecompile-warmup:{c.name}", daemon=True).start()
+    worker = threading.Thread(target=work, name=f"safecompile-warmup:{c.name}", daemon=True)
+    _WORKERS.add(worker)
+    worker.start()
+
+
+#: Seconds the interpreter's exit waits, in all, for warmup threads still running.
+EXIT_WAIT_S = 10.0
+_WORKERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+@atexit.register
+def _join_workers(timeout: float = EXIT_WAIT_S) -> None:
+    """At exit, give running warmup threads up to ``timeout`` seconds to end.
+
+    A daemon thread still inside torch when the interpreter finalises is ended by an
+    unwind that torch's C++ frames turn into ``std::terminate`` (the process aborts with
+    "terminate called without an active exception"), even one that has just finished
+    its work. A warmup still compiling past the bound is left to that fate.
+    """
+    deadline = time.monotonic() + timeout
+    for worker in list(_WORKERS):
+        worker.join(max(0.0, deadline - time.monotonic()))
 
 
 def lower_priority(nice: int) -> bool:
