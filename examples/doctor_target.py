@@ -6,8 +6,10 @@
 ``doctor_target()`` returns a :class:`~safecompile.doctor.DoctorTarget`: the model (in
 ``eval()`` mode, as it serves) and one example call per shape it serves. The doctor compiles
 each example cold, sweeps batch and sequence lengths around the first one, times compiled
-against eager and compares their outputs. The target's backend is
-``$SAFECOMPILE_EXAMPLE_BACKEND`` when set, else inductor; ``--backend`` overrides both.
+against eager and compares their outputs. The target's backend is ``inductor`` (the
+doctor's verdict is about the compiler you will serve with; its first compiles are cold,
+tens of seconds on a CPU), or ``$SAFECOMPILE_EXAMPLE_BACKEND`` when set; the doctor's
+``--backend`` overrides both. ``_common.py`` beside this file is the examples' shared helper.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ prometheus-client)::
     python examples/metrics_prometheus.py --buckets       # histogram buckets printed too
     python examples/metrics_prometheus.py --backend inductor  # the real compiler
 
-(``--backend`` defaults to ``$SAFECOMPILE_EXAMPLE_BACKEND`` when set, else ``aot_eager``.)
+The backend is ``aot_eager`` unless ``--backend`` (or ``$SAFECOMPILE_EXAMPLE_BACKEND``)
+names another. ``_common.py`` and ``_metrics.py`` beside this file hold what the examples
+share (the ``--backend`` option, a summary line, the Prometheus meter provider).
 
 An OpenTelemetry ``MeterProvider`` with a ``PrometheusMetricReader`` (from
 ``opentelemetry-exporter-prometheus``) is handed to the guarded callables; prometheus_client

@@ -6,8 +6,10 @@
     OTEL_RESOURCE_ATTRIBUTES=openinference.project.name=safecompile \\
     python examples/tracing.py                           # sent over OTLP/HTTP (Phoenix here)
 
-Needs the ``otel`` extra (``pip install -e '.[otel]'``). ``--backend`` defaults to
-``$SAFECOMPILE_EXAMPLE_BACKEND`` when set, else ``aot_eager``.
+Needs the ``otel`` extra (``pip install -e '.[otel]'``). The backend is ``aot_eager``
+unless ``--backend`` (or ``$SAFECOMPILE_EXAMPLE_BACKEND``) names another, e.g. ``inductor``.
+``_common.py`` beside this file holds what the examples share (the ``--backend`` option,
+a one-line summary of a guarded callable); it uses safecompile's public API only.
 
 The exporter is configured by the standard ``OTEL_*`` variables only
 (``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``,

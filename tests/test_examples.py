@@ -7,6 +7,7 @@ its output, not only its exit code. The serving example has its own file.
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import subprocess
@@ -192,3 +193,39 @@ def test_missing_extra_is_one_line(
 
     assert done.stderr == f"{package} is not installed: pip install -e '.[{extra}]'\n"
     assert done.stdout == ""
+
+
+PUBLIC_MODULES = {"safecompile", "safecompile.testing", "safecompile.doctor"}
+
+
+def _imports(path: Path) -> set[str]:
+    """The modules a file imports (``import a.b``, ``from a.b import c``)."""
+    tree = ast.parse(path.read_text())
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            found.add(node.module)
+    return found
+
+
+@pytest.mark.parametrize("example", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_examples_use_the_public_api_only(example: str) -> None:
+    """An example is what a user copies: it imports safecompile's public modules only."""
+    ours = {m for m in _imports(EXAMPLES / example) if m.split(".")[0] == "safecompile"}
+    assert ours <= PUBLIC_MODULES, ours - PUBLIC_MODULES
+
+
+def test_quickstart_is_one_file_on_aot_eager(example_env: dict[str, str]) -> None:
+    """README command 1 runs the quickstart as it is: one file (none of the examples'
+    shared helpers), on aot_eager by default, quick."""
+    assert not {
+        m for m in _imports(EXAMPLES / "quickstart.py") if m.startswith("_") and m != "__future__"
+    }
+    env = {k: v for k, v in example_env.items() if k != "SAFECOMPILE_EXAMPLE_BACKEND"}
+
+    out = run(env, "examples/quickstart.py").stdout
+
+    assert out.splitlines()[0].endswith("backend=aot_eager")
+    assert "and after unsetting it, compiled again" in out
