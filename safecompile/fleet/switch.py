@@ -33,6 +33,7 @@ from typing import Protocol
 
 from safecompile.base import killswitch as ks
 from safecompile.observe.log import log_event
+from safecompile.persist.bounded import read_file
 from safecompile.persist.remote import RedisLink, RemoteUnavailableError, parse_url, redacted
 
 __all__ = [
@@ -84,13 +85,10 @@ class FileSource:
 
     def read(self) -> str | None:
         try:
-            with self.path.open("rb") as f:
-                data = f.read(MAX_BYTES + 1)
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
+            data = read_file(self.path, limit=MAX_BYTES)
+        except OSError as exc:  # unreadable, not a regular file (a FIFO), a hung mount
             raise SourceError(f"{type(exc).__name__}: {exc}") from None
-        return _decoded(data)
+        return None if data is None else _decoded(data)
 
 
 class RedisKeySource:
@@ -256,17 +254,39 @@ class Watcher:
         return thread is not None and thread.is_alive()
 
     def start(self) -> None:
-        """Read the source now, then poll on a daemon thread (idempotent)."""
+        """Read the source now, then poll on a daemon thread (idempotent). The first read
+        is bounded like every other (a file read times out, Redis has its timeouts)."""
         with self._lock:
             if self.running:
                 return
             self._stop = threading.Event()
             self.poll()
-            thread = threading.Thread(
-                target=self._run, args=(self._stop,), name="safecompile-disable-source", daemon=True
-            )
-            thread.start()
-            self._thread = thread
+            self._spawn(self._stop)
+
+    def _spawn(self, stop: threading.Event, *, first: bool = False) -> None:
+        thread = threading.Thread(
+            target=self._run,
+            args=(stop,),
+            kwargs={"first": first},
+            name="safecompile-disable-source",
+            daemon=True,
+        )
+        thread.start()
+        self._thread = thread
+
+    def after_fork_in_child(self) -> None:
+        """In a forked child (a pre-fork server's worker): fresh locks (a poll in flight at
+        the fork held one, for good), and the polling thread again if the parent had one
+        (threads do not survive a fork); its first poll comes at once."""
+        self._lock = threading.Lock()
+        self._poll_lock = threading.Lock()
+        polling, self._thread = self._thread is not None, None
+        self._stop = threading.Event()
+        if polling:
+            try:
+                self._spawn(self._stop, first=True)
+            except Exception as exc:  # no threads in this child: env var and disable() work
+                self._failed(redacted(self._spec or ""), f"cannot restart the watcher: {exc}")
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop polling (the rule in force stays; :meth:`reset` clears it)."""
@@ -284,12 +304,23 @@ class Watcher:
             self._warned.clear()
         ks.set_watched(ks.NOTHING)
 
-    def _run(self, stop: threading.Event) -> None:
+    def _run(self, stop: threading.Event, *, first: bool = False) -> None:
+        if first:
+            self.poll()
         while not stop.wait(self.interval()):
             self.poll()
 
 
 WATCHER = Watcher()
+
+
+def _after_fork_in_child() -> None:
+    ks.SWITCH.lock = threading.Lock()  # set_watched() may have held it at the fork
+    WATCHER.after_fork_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def watch() -> None:

@@ -29,6 +29,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -121,6 +122,9 @@ def _import_redis() -> Any | None:
         return None
 
 
+_every_link: weakref.WeakSet[RedisLink] = weakref.WeakSet()  # reset in a forked child
+
+
 class RedisLink:
     """One lazily built redis-py client with short timeouts and no retries, and a breaker.
 
@@ -153,6 +157,7 @@ class RedisLink:
         self.failures = 0  # commands that failed (for tests and reports)
         self.commands = 0  # commands sent
         self.seconds = 0.0  # wall time spent in them
+        _every_link.add(self)
 
     def run(self, command: Callable[[Any], T]) -> T:
         """``command(client)``; :class:`RemoteUnavailableError` instead of any failure."""
@@ -185,11 +190,22 @@ class RedisLink:
         until = self._down_until
         if until is not None and self._clock() < until:
             raise RemoteUnavailableError(f"{self.purpose}: backing off after a failure")
-        if self._client is None:
+        client = self._client
+        if client is None:
+            # Built without the lock: a build that fails reports through _failed(), which
+            # takes it (two threads may build at once; the first one kept wins).
+            built = self._build()
             with self._lock:
                 if self._client is None:
-                    self._client = self._build()
-        return self._client
+                    self._client = built
+                client = self._client
+        return client
+
+    def _after_fork(self) -> None:
+        """In a forked child: a lock held at the fork stays held; the client's sockets are
+        the parent's."""
+        self._lock = threading.Lock()
+        self._client = None
 
     def _build(self) -> Any:
         redis = _import_redis()
@@ -424,6 +440,18 @@ def reset() -> None:
         undo, _undo[:] = list(_undo), []
     for step in reversed(undo):
         step()
+
+
+def _after_fork_in_child() -> None:
+    """A lock some thread held at the fork would stay held in the child for good."""
+    global _lock
+    _lock = threading.Lock()
+    for link in list(_every_link):
+        link._after_fork()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def use_torch_remote_caches(link: RedisLink) -> list[str]:

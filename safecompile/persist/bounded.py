@@ -1,0 +1,99 @@
+"""File reads that cannot hang the caller: a timeout, a size limit, regular files only.
+
+A file the operator names (the fleet kill switch's source, the cache key file) may sit on
+a hung NFS mount, or be a FIFO nobody writes to: a plain ``open().read()`` would block the
+thread that asked, which may be ``safe_compile()`` itself. :func:`read_file` opens without
+blocking (``O_NONBLOCK``: a FIFO opens at once and is then refused, as is anything that is
+not a regular file) and reads on a worker thread, waiting at most ``timeout`` seconds. A
+read that hangs leaves its daemon thread behind; until it returns, further reads of the
+same path fail at once instead of stacking threads.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+import threading
+from pathlib import Path
+
+__all__ = ["READ_TIMEOUT_S", "ReadTimeoutError", "read_file"]
+
+READ_TIMEOUT_S = 1.0  # a local file answers in microseconds; a hung mount never does
+
+_lock = threading.Lock()
+_stuck: set[str] = set()  # paths whose last read has not returned
+
+
+class ReadTimeoutError(OSError):
+    """The read did not finish within its timeout (or an earlier one has not yet)."""
+
+
+def read_file(path: Path, *, limit: int, timeout: float = READ_TIMEOUT_S) -> bytes | None:
+    """Up to ``limit + 1`` bytes of the regular file ``path`` (a caller that gets more
+    than ``limit`` knows the file is too large); ``None`` when it does not exist.
+
+    :class:`OSError` when it cannot be read or is not a regular file,
+    :class:`ReadTimeoutError` when the read takes longer than ``timeout`` seconds."""
+    name = str(path)
+    with _lock:
+        if name in _stuck:
+            raise ReadTimeoutError(f"an earlier read of {name} has not returned")
+        _stuck.add(name)
+    box: dict[str, bytes | BaseException | None] = {}
+    done = threading.Event()
+
+    def work() -> None:
+        try:
+            box["data"] = _read(name, limit)
+        except BaseException as exc:
+            box["error"] = exc
+        finally:
+            with _lock:
+                _stuck.discard(name)
+            done.set()
+
+    threading.Thread(target=work, name="safecompile-read", daemon=True).start()
+    if not done.wait(timeout):
+        raise ReadTimeoutError(f"reading {name} took over {timeout:g} s")
+    error = box.get("error")
+    if isinstance(error, BaseException):
+        raise error
+    data = box.get("data")
+    return data if isinstance(data, bytes) else None
+
+
+def _read(name: str, limit: int) -> bytes | None:
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(name, flags | getattr(os, "O_NOCTTY", 0))
+    except FileNotFoundError:
+        return None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), name)
+        if not stat.S_ISREG(mode):
+            raise OSError(f"{name} is not a regular file")
+        chunks: list[bytes] = []
+        size = 0
+        while size <= limit:
+            chunk = os.read(fd, limit + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _after_fork_in_child() -> None:
+    """A fork copies the set but not the threads reading: nothing is in flight here."""
+    global _lock  # a lock another thread held at the fork stays held for good
+    _lock = threading.Lock()
+    _stuck.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
