@@ -16,6 +16,7 @@ from safecompile.base.options import Clock, CompileOptions
 from safecompile.base.policies import Buckets, Rollback, Shadow, Warmup
 from safecompile.fleet.ranks import check_group
 from safecompile.fleet.switch import watch as watch_disable_source
+from safecompile.observe.source import without_our_frames
 from safecompile.observe.telemetry import Telemetry
 from safecompile.persist.remote import activate as activate_remote_cache
 from safecompile.shapes.buckets import Bucketer, Strategy, resolve_strategy
@@ -66,7 +67,10 @@ class _ModuleForward:
         self.__wrapped__ = forward
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._call(*args, **kwargs)
+        try:
+            return self._call(*args, **kwargs)
+        except Exception as exc:
+            raise without_our_frames(exc)  # noqa: B904 - eager's error, kept unchained
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         module = self.safecompile._module

@@ -17,9 +17,13 @@ return. Everything else is a slow path:
 from __future__ import annotations
 
 import atexit
+import collections
+import logging
 import os
+import sys
 import threading
 import time
+import types
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -29,7 +33,7 @@ import torch
 from safecompile.base import killswitch as ks
 from safecompile.base.model import Event, EventKind, Reason
 from safecompile.checks.compare import compare
-from safecompile.observe.source import safe_message, truncate
+from safecompile.observe.source import safe_message, truncate, without_our_frames
 from safecompile.shapes.buckets import BucketError, Plan
 from safecompile.shapes.table import BucketEntry, BucketStatus, unmark
 
@@ -46,6 +50,63 @@ _COMPILE_ERRORS: tuple[type[BaseException], ...] = (
 
 
 _NONE: Any = None  # typed Any: the call below changes what the slot holds
+
+
+class _MetaLogHold(logging.Filter):
+    """Holds torch's ``failed while attempting to run meta`` error log (a traceback per
+    op, logged while dynamo traces a call that fails) when it is logged inside a guarded
+    call: :func:`recover` drops it when eager raises the same error (the user's own bug:
+    eager's error says it all) and hands it on otherwise. Outside guarded calls it
+    passes untouched. Only a record this logger emits pays for the stack walk."""
+
+    LOGGER = "torch._subclasses.fake_tensor"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.local = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(self.local, "replaying", False) or not _in_guarded_call():
+            return True
+        held: collections.deque[logging.LogRecord] | None = getattr(self.local, "held", None)
+        if held is None:
+            held = self.local.held = collections.deque(maxlen=16)
+        held.append(record)
+        return False
+
+    def drop(self) -> None:
+        held = getattr(self.local, "held", None)
+        if held:
+            held.clear()
+
+    def replay(self) -> None:
+        held = getattr(self.local, "held", None)
+        if not held:
+            return
+        records = list(held)
+        held.clear()
+        logger = logging.getLogger(self.LOGGER)
+        self.local.replaying = True
+        try:
+            for record in records:
+                logger.handle(record)
+        finally:
+            self.local.replaying = False
+
+
+def _in_guarded_call() -> bool:
+    """Whether a frame of this module (a guarded call's path) is on the stack, above the
+    filter that asks."""
+    frame: types.FrameType | None = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename == __file__:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_META_LOG = _MetaLogHold()
+logging.getLogger(_MetaLogHold.LOGGER).addFilter(_META_LOG)
 
 
 def entrypoint(c: Controller) -> Callable[..., Any]:
@@ -68,32 +129,35 @@ def _entrypoint(c: Controller) -> Callable[..., Any]:
     refresh = c._refresh_switch
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        if env_get(env_key) is not gate.token or switch.generation != gate.generation:
-            refresh()
-        if gate.fast:
-            try:
-                slot: CallSlot = local.slot
-            except AttributeError:
-                slot = new_slot()
-            slot.first = _NONE  # the graph wrappers fill these in during the call
-            slot.due = _NONE
-            try:
-                out = gate.compiled(*args, **kwargs)
-            except Exception as exc:
-                failure: Exception = exc
-            else:
-                first = slot.first
-                if slot.due is None and first is not None and first.compiled:
-                    slot.compiled += 1
-                    return out
-                return finish(c, slot, out, args, kwargs)
-            return recover(c, failure, args, kwargs)  # outside except: eager's error unchained
-        if gate.disabled:  # the kill switch: eager, in this frame
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                new_slot().eager += 1
-        return call_slow(c, args, kwargs)
+        try:  # an error escaping is eager's: raised from the user's line, not ours
+            if env_get(env_key) is not gate.token or switch.generation != gate.generation:
+                refresh()
+            if gate.fast:
+                try:
+                    slot: CallSlot = local.slot
+                except AttributeError:
+                    slot = new_slot()
+                slot.first = _NONE  # the graph wrappers fill these in during the call
+                slot.due = _NONE
+                try:
+                    out = gate.compiled(*args, **kwargs)
+                except Exception as exc:
+                    failure: Exception = exc
+                else:
+                    first = slot.first
+                    if slot.due is None and first is not None and first.compiled:
+                        slot.compiled += 1
+                        return out
+                    return finish(c, slot, out, args, kwargs)
+                return recover(c, failure, args, kwargs)  # outside except: eager's unchained
+            if gate.disabled:  # the kill switch: eager, in this frame
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    new_slot().eager += 1
+            return call_slow(c, args, kwargs)
+        except Exception as exc:
+            raise without_our_frames(exc)  # noqa: B904 - the user's error, kept unchained
 
     return guarded
 
@@ -108,55 +172,54 @@ def _bucketed_entrypoint(c: Controller) -> Callable[..., Any]:
     env_get, env_key = _env_reader()
     switch = ks.SWITCH
     refresh = c._refresh_switch
-    bucketer = c._buckets.bucketer
-    entries = c._buckets.entries
-    plan_of = bucketer.plan
-    pad = bucketer.pad
-    unpad = bucketer.unpad
-    pads = c._buckets.pads
+    bucketer, entries, pads = c._buckets.bucketer, c._buckets.entries, c._buckets.pads
+    plan_of, pad, unpad = bucketer.plan, bucketer.pad, bucketer.unpad
     ready = BucketStatus.READY
 
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        if env_get(env_key) is not gate.token or switch.generation != gate.generation:
-            refresh()
-        if gate.fast:
-            plan = plan_of(args, kwargs)
-            if plan is not None and plan.status == "bucketed":
-                entry = entries.get(plan.key)
-                padded = pads and plan.padded
-                if (
-                    entry is not None
-                    and entry.status is ready
-                    and (entry.cuts is not None or not padded)
-                ):
-                    try:
-                        slot: CallSlot = local.slot
-                    except AttributeError:
-                        slot = new_slot()
-                    slot.first = _NONE
-                    slot.due = _NONE
-                    try:
-                        if padded:
-                            a, k = pad(plan, args, kwargs)
-                            out = unpad(plan, gate.compiled(*a, **k), entry.cuts)
+    def guarded(*args: Any, **kwargs: Any) -> Any:  # noqa: PLR0912 - one frame on purpose
+        try:  # an error escaping is eager's: raised from the user's line, not ours
+            if env_get(env_key) is not gate.token or switch.generation != gate.generation:
+                refresh()
+            if gate.fast:
+                plan = plan_of(args, kwargs)
+                if plan is not None and plan.status == "bucketed":
+                    entry = entries.get(plan.key)
+                    padded = pads and plan.padded
+                    if (
+                        entry is not None
+                        and entry.status is ready
+                        and (entry.cuts is not None or not padded)
+                    ):
+                        try:
+                            slot: CallSlot = local.slot
+                        except AttributeError:
+                            slot = new_slot()
+                        slot.first = _NONE
+                        slot.due = _NONE
+                        try:
+                            if padded:
+                                a, k = pad(plan, args, kwargs)
+                                out = unpad(plan, gate.compiled(*a, **k), entry.cuts)
+                            else:
+                                out = gate.compiled(*args, **kwargs)
+                        except Exception as exc:
+                            failure: Exception = exc
                         else:
-                            out = gate.compiled(*args, **kwargs)
-                    except Exception as exc:
-                        failure: Exception = exc
-                    else:
-                        entry.count(plan, padded=padded)
-                        first = slot.first
-                        if slot.due is None and first is not None and first.compiled:
-                            slot.compiled += 1
-                            return out
-                        return finish(c, slot, out, args, kwargs)
-                    return recover(c, failure, args, kwargs, plan=plan, entry=entry)
-        elif gate.disabled:  # the kill switch: eager, in this frame
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                new_slot().eager += 1
-        return call_slow(c, args, kwargs)
+                            entry.count(plan, padded=padded)
+                            first = slot.first
+                            if slot.due is None and first is not None and first.compiled:
+                                slot.compiled += 1
+                                return out
+                            return finish(c, slot, out, args, kwargs)
+                        return recover(c, failure, args, kwargs, plan=plan, entry=entry)
+            elif gate.disabled:  # the kill switch: eager, in this frame
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    new_slot().eager += 1
+            return call_slow(c, args, kwargs)
+        except Exception as exc:
+            raise without_our_frames(exc)  # noqa: B904 - the user's error, kept unchained
 
     return guarded
 
@@ -265,7 +328,9 @@ def recover(
         slot.eager += 1
     if user_error is not None:
         del failure  # eager raises too: the user's own error, not the compiler's
+        _META_LOG.drop()  # torch's log of it while tracing is noise: eager's error says it
         raise user_error
+    _META_LOG.replay()
     if isinstance(failure, _COMPILE_ERRORS):
         c._compile_failed(failure, args, kwargs)
         c._trip(Reason.COMPILE_ERROR, error=failure, bucket=entry.label if entry else None)

@@ -40,12 +40,14 @@ __all__ = [
     "error_type_name",
     "graph_breaks_of",
     "is_generated_file",
+    "is_ours",
     "is_user_file",
     "location_of_error",
     "location_of_function",
     "redact_tensors",
     "safe_message",
     "truncate",
+    "without_our_frames",
 ]
 
 #: Default bound on any message that leaves the process.
@@ -147,6 +149,26 @@ def is_user_file(filename: str) -> bool:
             if "site-packages" not in rest and "dist-packages" not in rest:
                 return False
     return True
+
+
+@functools.cache
+def _our_dir() -> str:
+    return _norm(os.path.dirname(os.path.dirname(__file__)))
+
+
+def is_ours(filename: str) -> bool:
+    """Whether ``filename`` is one of safecompile's own files."""
+    return bool(filename) and _under(_norm(filename), _our_dir())
+
+
+def without_our_frames(exc: BaseException) -> BaseException:
+    """``exc`` (the same object) with the leading traceback entries that are
+    safecompile's own dropped, so the traceback a user reads starts in their code; kept
+    whole when every entry is ours (then the error is ours, and so is the traceback)."""
+    tb = exc.__traceback__
+    while tb is not None and is_ours(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return exc if tb is None else exc.with_traceback(tb)
 
 
 # ---------------------------------------------------------------------------- functions
