@@ -11,3 +11,5 @@ class ConfigError(ValueError):
     Raised when the decorator or a policy is built (never on a call), with a message
     that names the option and the values it accepts.
     """
+
+    __module__ = "safecompile"  # shown as safecompile.ConfigError, where users import it

@@ -13,24 +13,42 @@ from .frozen import FrozenMap
 __all__ = ["FOREVER", "Axis", "Buckets", "Rollback", "Shadow", "Warmup", "pow2", "steps"]
 
 FOREVER = 1 << 62  # a countdown that never runs out
+_WEEK = 7 * 24 * 3600.0  # the longest wait an option may ask for
 
 
-def _check_int(owner: str, name: str, value: object, *, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(f"{owner}({name}=...) must be an int >= {minimum}, got {value!r}")
+def _check_int(
+    owner: str, name: str, value: object, *, minimum: int, maximum: int | None = None
+) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < minimum
+        or (maximum is not None and value > maximum)
+    ):
+        bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
+        raise ConfigError(f"{owner}({name}=...) must be an int {bound}, got {value!r}")
 
 
 def _check_number(
-    owner: str, name: str, value: object, *, minimum: float, strict: bool = False
+    owner: str,
+    name: str,
+    value: object,
+    *,
+    minimum: float,
+    strict: bool = False,
+    maximum: float | None = None,
 ) -> None:
     ok = (
         not isinstance(value, bool)
         and isinstance(value, int | float)
         and math.isfinite(value)
         and (value > minimum if strict else value >= minimum)
+        and (maximum is None or value <= maximum)
     )
     if not ok:
         bound = f"> {minimum}" if strict else f">= {minimum}"
+        if maximum is not None:
+            bound += f" and <= {maximum:g}"
         raise ConfigError(f"{owner}({name}=...) must be a finite number {bound}, got {value!r}")
 
 
@@ -367,10 +385,11 @@ class Buckets:
                     f"Buckets(pad_value=...) names {arg!r}, which is not in dims "
                     f"({', '.join(sorted(dims))})"
                 )
-            if isinstance(value, bool) or not isinstance(value, int | float):
+            if isinstance(value, bool) or not isinstance(value, int | float) or math.isnan(value):
                 raise ConfigError(
-                    "Buckets(pad_value=...) must be a number or a mapping of argument name "
-                    f"to number, got {value!r}"
+                    "Buckets(pad_value=...) must be a number (not NaN: it would reach "
+                    "every sum over the padded dim) or a mapping of argument name to number, "
+                    f"got {value!r}"
                 )
         if isinstance(self.pad_value, Mapping):
             object.__setattr__(self, "pad_value", FrozenMap(self.pad_value))
@@ -519,11 +538,13 @@ class Rollback:
     """When to leave the compiled path, and when to try it again.
 
     Past ``max_recompiles`` graphs, new shapes run eager (the graphs already made keep
-    serving). ``slower_ratio`` (on by default): a compiled graph measured slower than the
-    same graph run eagerly by more than that ratio, on live calls, runs eager from then
-    on (the other graphs stay compiled); when every graph is slower, the callable rolls
-    back (``slower``). It is measured on a bounded share of live calls (at most 1% at
-    steady state; a verdict reads ``slower_min_samples`` pairs at least; docs/speed.md),
+    serving); ``None`` (default) is 8, or with ``Buckets`` enough graphs for every
+    bucket (:attr:`recompile_limit` reads it). ``slower_ratio`` (on by default): a
+    compiled graph measured slower than the same graph run eagerly by more than that
+    ratio, on live calls, runs eager from then on (the other graphs stay compiled); when
+    every graph is slower, the callable rolls back (``slower``). It is measured on a
+    bounded share of live calls (at most 1% at steady state; a verdict reads
+    ``slower_min_samples`` pairs at least, at most 128; docs/speed.md),
     and measured again later, with backoff. ``None`` turns it off.
 
     ``retry_after`` seconds after a trip the compiled path is tried again (one call, a
@@ -532,10 +553,10 @@ class Rollback:
 
     With ``safe_compile(group=...)``, ranks agree on trips every ``sync_every`` calls
     (and at ``sync()``); a safe point waits at most ``sync_timeout`` seconds for its
-    peers (docs/fleet.md, "Ranks that agree").
+    peers, at most a week (docs/fleet.md, "Ranks that agree").
     """
 
-    max_recompiles: int = 8
+    max_recompiles: int | None = None
     slower_ratio: float | None = 1.05
     slower_min_samples: int = 16
     retry_after: float | None = None
@@ -544,12 +565,17 @@ class Rollback:
     sync_timeout: float = 300.0  # seconds a safe point waits for its peers
 
     def __post_init__(self) -> None:
-        _check_int("Rollback", "max_recompiles", self.max_recompiles, minimum=1)
+        if self.max_recompiles is not None:
+            _check_int("Rollback", "max_recompiles", self.max_recompiles, minimum=1)
         _check_int("Rollback", "sync_every", self.sync_every, minimum=1)
-        _check_number("Rollback", "sync_timeout", self.sync_timeout, minimum=0.0, strict=True)
+        _check_number(
+            "Rollback", "sync_timeout", self.sync_timeout, minimum=0.0, strict=True, maximum=_WEEK
+        )
         if self.slower_ratio is not None:
             _check_number("Rollback", "slower_ratio", self.slower_ratio, minimum=1.0)
-        _check_int("Rollback", "slower_min_samples", self.slower_min_samples, minimum=1)
+        _check_int(  # the speed verdict reads at most 128 pairs (SpeedPolicy.max_pairs)
+            "Rollback", "slower_min_samples", self.slower_min_samples, minimum=1, maximum=128
+        )
         if self.retry_after is not None:
             _check_number("Rollback", "retry_after", self.retry_after, minimum=0.0)
         _check_number("Rollback", "max_retry_after", self.max_retry_after, minimum=0.0, strict=True)
@@ -558,6 +584,11 @@ class Rollback:
                 "Rollback(max_retry_after=...) must be >= retry_after "
                 f"({self.retry_after!r}), got {self.max_retry_after!r}"
             )
+
+    @property
+    def recompile_limit(self) -> int:
+        """``max_recompiles``, or 8 where it was left to the decorator and not fitted."""
+        return self.max_recompiles if self.max_recompiles is not None else 8
 
     def next_wait(self, previous: float | None, *, failing: bool) -> float | None:
         """Seconds to wait before the next trial after a trip (``None``: never).

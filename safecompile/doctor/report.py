@@ -85,7 +85,7 @@ _SAMPLE_S = 2e-3  # a timing sample runs the call enough times to last about thi
 _MAX_INNER = 1000
 _MAX_TIMED = 4  # examples timed (the first ones)
 _LABEL_LIMIT = 120
-_DEFAULT_LIMIT = Rollback().max_recompiles
+_DEFAULT_LIMIT = Rollback().recompile_limit
 _NOISY_SPREAD = 0.25  # timing pairs' interquartile range over their median ratio
 
 

@@ -29,8 +29,7 @@ import torch
 
 from safecompile.base import killswitch as ks
 from safecompile.base.model import Event, EventKind, Reason, State, Stats
-from safecompile.base.options import Clock, CompileOptions
-from safecompile.base.policies import Rollback, Shadow
+from safecompile.base.options import CompilerFn, Options
 from safecompile.checks.snapshot import Snapshot
 from safecompile.checks.speed import Decision, SpeedPolicy
 from safecompile.fleet.ranks import Agreement
@@ -45,7 +44,7 @@ from safecompile.observe.source import (
     safe_message,
     truncate,
 )
-from safecompile.persist.restart import Persisted, restart_key_options
+from safecompile.persist.restart import Persisted
 from safecompile.shapes.buckets import Bucketer
 from safecompile.shapes.table import BucketTable
 
@@ -114,24 +113,22 @@ class Controller:
         *,
         name: str,
         fn: Callable[..., Any],
-        compile_options: CompileOptions,
-        shadow: Shadow | None,
-        rollback: Rollback,
-        rollout: float,
+        opts: Options,
+        compiler: CompilerFn,
         sink: Sink,
-        clock: Clock,
         module: torch.nn.Module | None = None,
         bucketer: Bucketer | None = None,
-        group: object = None,
         warm_call: WarmCall,
     ) -> None:
         self.name = name
         self._fn = fn
         self._module = module
-        self._opts = compile_options
+        self._opts = opts  # resolved by the decorator
+        self._compiler = compiler
+        shadow, rollback, clock = opts.shadow, opts.rollback, opts.clock
         self._shadow_policy = shadow
         self._rollback_policy = rollback
-        self._rollout = rollout
+        self._rollout = float(opts.rollout)
         self._clock = clock
         self._warm_call = warm_call
         self._sink = sink
@@ -152,26 +149,15 @@ class Controller:
                 last_reason=self._last_reason,
                 location=self._location,
             ),
-            Agreement(group, every=rollback.sync_every, timeout=rollback.sync_timeout)
-            if group is not None
+            Agreement(opts.group, every=rollback.sync_every, timeout=rollback.sync_timeout)
+            if opts.group is not None
             else None,
         )
         self._compiles = CompileTracker(self._update_gate)
         self._buckets = BucketTable(bucketer) if bucketer is not None else None
-        self._failures = KnownFailures(
-            module if module is not None else fn,
-            {
-                "backend": compile_options.backend_label,
-                "mode": compile_options.mode,
-                "options": compile_options.options,
-                "dynamic": compile_options.dynamic,
-                "extra": {"fullgraph": compile_options.fullgraph},
-            },
-        )
-        self._persisted = Persisted(
-            module if module is not None else fn,
-            restart_key_options(compile_options, bucketer, shadow),
-        )
+        target = module if module is not None else fn
+        self._failures = KnownFailures(target, opts.verdict_key(checks=False))
+        self._persisted = Persisted(target, opts.verdict_key(checks=True))
         self._speed_policy = (
             SpeedPolicy(ratio=rollback.slower_ratio, min_pairs=rollback.slower_min_samples)
             if rollback.slower_ratio is not None
@@ -378,7 +364,7 @@ class Controller:
         """A fresh graph table and the compiled function whose backend fills it."""
         self._table = GraphTable(self._shadow_policy, self._speed_policy)
         time_tracing()
-        limit = self._rollback_policy.max_recompiles
+        limit = self._rollback_policy.recompile_limit
         hooks = GraphHooks(
             table=self._table,
             slots_local=self._slots.local,
@@ -394,7 +380,7 @@ class Controller:
         )
         opts = self._opts
         guard_filter = (opts.options or {}).get("guard_filter_fn")
-        backend = GuardBackend(opts.compiler, hooks, opts.backend_label)
+        backend = GuardBackend(self._compiler, hooks, opts.backend_label)
 
         def build() -> Callable[..., Any]:
             return compile_function(
@@ -685,7 +671,7 @@ class Controller:
                 )
             )
         elif first_limit:
-            limit = self._rollback_policy.max_recompiles
+            limit = self._rollback_policy.recompile_limit
             self._record(
                 Event(
                     kind=EventKind.RECOMPILE_LIMIT,

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
-import time
 import types
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, overload, runtime_checkable
@@ -12,7 +12,7 @@ from typing import Any, Protocol, TypeVar, overload, runtime_checkable
 import torch
 
 from safecompile.base.errors import ConfigError
-from safecompile.base.options import Clock, CompileOptions
+from safecompile.base.options import Clock, Options
 from safecompile.base.policies import Buckets, Rollback, Shadow, Warmup
 from safecompile.fleet.ranks import check_group
 from safecompile.fleet.switch import watch as watch_disable_source
@@ -21,7 +21,7 @@ from safecompile.observe.telemetry import Telemetry
 from safecompile.persist.remote import activate as activate_remote_cache
 from safecompile.shapes.buckets import Bucketer, Strategy, resolve_strategy
 
-from .backend import backend_name, build_compiler, validate_compile_options
+from .backend import build_compiler, validate_compile_options
 from .controller import Controller, Sink
 from .paths import entrypoint, start_background, warm_call
 
@@ -30,9 +30,7 @@ __all__ = ["Guarded", "safe_compile"]
 F = TypeVar("F", bound=Callable[..., Any])
 M = TypeVar("M", bound=torch.nn.Module)
 
-_DEFAULT_SHADOW = Shadow()
-_DEFAULT_ROLLBACK = Rollback()
-_UNSET: Any = object()
+_DEFAULT = Options()  # the signature's defaults: the record's (a test compares them)
 
 
 @runtime_checkable
@@ -106,27 +104,28 @@ def safe_compile(
     fn: Any = None,
     /,
     *,
-    backend: str | Callable[..., Any] = "inductor",
-    mode: str | None = None,
+    backend: str | Callable[..., Any] = _DEFAULT.backend,
+    mode: str | None = _DEFAULT.mode,
     options: dict[str, Any] | None = None,
-    dynamic: bool | None = None,
-    fullgraph: bool = False,
-    name: str | None = None,
-    buckets: Buckets | None = None,
-    warmup: Warmup | None = None,
-    shadow: Shadow | None = _DEFAULT_SHADOW,
-    rollback: Rollback = _DEFAULT_ROLLBACK,
-    rollout: float = 1.0,
-    group: Any = None,
-    tracer_provider: Any = None,
-    meter_provider: Any = None,
-    clock: Clock = time.perf_counter,
+    dynamic: bool | None = _DEFAULT.dynamic,
+    fullgraph: bool = _DEFAULT.fullgraph,
+    name: str | None = _DEFAULT.name,
+    buckets: Buckets | None = _DEFAULT.buckets,
+    warmup: Warmup | None = _DEFAULT.warmup,
+    shadow: Shadow | None = _DEFAULT.shadow,
+    rollback: Rollback = _DEFAULT.rollback,
+    rollout: float = _DEFAULT.rollout,
+    group: Any = _DEFAULT.group,
+    tracer_provider: Any = _DEFAULT.tracer_provider,
+    meter_provider: Any = _DEFAULT.meter_provider,
+    clock: Clock = _DEFAULT.clock,
     **unknown: object,
 ) -> Any:
     """Guard ``torch.compile`` on a function, a method or an ``nn.Module``.
 
     Forms: ``@safe_compile``, ``@safe_compile(...)``, ``safe_compile(fn, ...)`` and
-    ``safe_compile(module, ...)`` (the module is guarded in place and returned).
+    ``safe_compile(module, ...)`` (the module is guarded in place and returned). A
+    ``functools.partial`` or a callable object is guarded like a function.
 
     ``backend``, ``mode``, ``options``, ``dynamic`` and ``fullgraph`` go to
     ``torch.compile`` unchanged. ``name`` is the stable name (kill switch, telemetry,
@@ -140,179 +139,72 @@ def safe_compile(
     ``clock`` (monotonic seconds) is injected by tests. Bad options raise
     :class:`ConfigError` now, not on the first call.
     """
-    given: dict[str, Any] = {
-        "backend": backend,
-        "mode": mode,
-        "options": options,
-        "dynamic": dynamic,
-        "fullgraph": fullgraph,
-        "name": name,
-        "buckets": buckets,
-        "warmup": warmup,
-        "shadow": shadow,
-        "rollout": rollout,
-        "group": group,
-        "tracer_provider": tracer_provider,
-        "meter_provider": meter_provider,
-        "clock": clock,
-        **unknown,
-    }
-    if rollback is not _DEFAULT_ROLLBACK:
-        given["rollback"] = rollback
-    config = _Config.build(given)
+    given = locals()  # first: exactly the parameters, one per field of Options
+    Options.refuse_unknown(unknown)
+    opts, strategy = _resolve(Options(**{option: given[option] for option in Options.names()}))
     if fn is None:
-        return functools.partial(_guard, config=config)
-    return _guard(fn, config=config)
+        return functools.partial(_guard, opts=opts, strategy=strategy)
+    return _guard(fn, opts=opts, strategy=strategy)
 
 
-class _Config:
-    """The decorator's options, validated once."""
-
-    _ALLOWED = frozenset(
-        {
-            "backend",
-            "buckets",
-            "clock",
-            "dynamic",
-            "fullgraph",
-            "group",
-            "meter_provider",
-            "mode",
-            "name",
-            "options",
-            "rollback",
-            "rollout",
-            "shadow",
-            "tracer_provider",
-            "warmup",
-        }
+def _resolve(opts: Options) -> tuple[Options, Strategy | None]:
+    """The checks that need torch or the process group, then the buckets fitted."""
+    validate_compile_options(
+        backend=opts.backend,
+        mode=opts.mode,
+        options=opts.options,
+        dynamic=opts.dynamic,
+        fullgraph=opts.fullgraph,
     )
-
-    backend: str | Callable[..., Any]
-    mode: str | None
-    options: dict[str, Any] | None
-    dynamic: bool | None
-    fullgraph: bool
-    name: str | None
-    buckets: Buckets | None
-    bucket_strategy: Strategy | None = None  # Buckets(strategy=...) resolved ("auto")
-    warmup: Warmup | None
-    shadow: Shadow | None
-    rollback: Rollback
-    rollout: float
-    clock: Clock
-    group: Any
-    tracer_provider: Any
-    meter_provider: Any
-
-    @classmethod
-    def build(cls, given: dict[str, Any]) -> _Config:
-        unknown = sorted(set(given) - cls._ALLOWED)
-        if unknown:
-            raise ConfigError(
-                f"safe_compile() got unknown option(s) {', '.join(unknown)}; "
-                f"allowed: {', '.join(sorted(cls._ALLOWED))}"
-            )
-        self = cls()
-        self.backend = given.get("backend", "inductor")
-        self.mode = given.get("mode")
-        self.options = given.get("options")
-        self.dynamic = given.get("dynamic")
-        self.fullgraph = given.get("fullgraph", False)
-        validate_compile_options(
-            backend=self.backend,
-            mode=self.mode,
-            options=self.options,
-            dynamic=self.dynamic,
-            fullgraph=self.fullgraph,
-        )
-        self.name = given.get("name")
-        if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
-            raise ConfigError(
-                f"safe_compile(name=...) must be a non-empty string, got {self.name!r}"
-            )
-        self.buckets = _policy(given, "buckets", Buckets, None)
-        self.warmup = _policy(given, "warmup", Warmup, None)
-        self.shadow = _policy(given, "shadow", Shadow, _DEFAULT_SHADOW)
-        self.rollback = _policy(given, "rollback", Rollback, _DEFAULT_ROLLBACK)
-        if self.rollback is None:
-            raise ConfigError("safe_compile(rollback=None): give a Rollback(...) or leave it out")
-        self.rollout = given.get("rollout", 1.0)
-        rollout = self.rollout
-        if (
-            isinstance(rollout, bool)
-            or not isinstance(rollout, int | float)
-            or not 0.0 <= rollout <= 1.0
-        ):
-            raise ConfigError(
-                f"safe_compile(rollout=...) must be a fraction from 0.0 to 1.0 of calls to "
-                f"route to the compiled path, got {rollout!r}"
-            )
-        self.clock = given.get("clock", time.perf_counter)
-        if not callable(self.clock):
-            raise ConfigError("safe_compile(clock=...) must be a callable returning seconds")
-        if self.buckets is not None:
-            self._fit_buckets(given)
-        self.group = given.get("group")
-        check_group(self.group)
-        self.tracer_provider = given.get("tracer_provider")
-        self.meter_provider = given.get("meter_provider")
-        return self
-
-    def _fit_buckets(self, given: dict[str, Any]) -> None:
-        """Make torch.compile's settings agree with the buckets."""
-        buckets = self.buckets
-        assert buckets is not None
-        self.bucket_strategy = resolve_strategy(
-            buckets,
-            backend=backend_name(self.backend),
-            mode=self.mode,
-            options=self.options,
-            dynamic=self.dynamic,
-        )
-        graphs = buckets.bucket_count  # the product of each axis's number of sizes
-        if "rollback" not in given:
-            most = buckets.max_graphs(self.bucket_strategy)
-            self.rollback = Rollback(max_recompiles=max(self.rollback.max_recompiles, most))
-        elif self.rollback.max_recompiles < graphs:
-            raise ConfigError(
-                f"safe_compile(rollback=Rollback(max_recompiles={self.rollback.max_recompiles}))"
-                f" is below the number of bucket sizes ({graphs}, every combination of "
-                "sizes): buckets past the limit would never compile; raise max_recompiles "
-                "or use fewer sizes"
-            )
-        if self.bucket_strategy == "pad":
-            if self.dynamic is None:
-                # static padded shapes: automatic dynamic would fold the buckets into one
-                # dynamic graph, and pay for the padding anyway
-                self.dynamic = False
-            elif self.dynamic:
-                raise ConfigError(
-                    "safe_compile(dynamic=True) with Buckets(strategy='pad') pads to static "
-                    "sizes for nothing; use Buckets(strategy='dynamic') or dynamic=None"
-                )
-        elif self.dynamic is False:
-            raise ConfigError(
-                "safe_compile(dynamic=False) contradicts Buckets(strategy='dynamic'), "
-                "which compiles one dynamic graph per range; use dynamic=None"
-            )
+    check_group(opts.group)
+    if opts.buckets is None:
+        return opts, None
+    return _fit_buckets(opts, opts.buckets)
 
 
-def _policy(given: dict[str, Any], name: str, kind: type, default: Any) -> Any:
-    value = given.get(name, default)
-    if value is not None and not isinstance(value, kind):
+def _fit_buckets(opts: Options, buckets: Buckets) -> tuple[Options, Strategy]:
+    """Make torch.compile's settings and the recompile limit agree with the buckets."""
+    strategy = resolve_strategy(
+        buckets,
+        backend=opts.backend_label,
+        mode=opts.mode,
+        options=opts.options,
+        dynamic=opts.dynamic,
+    )
+    graphs = buckets.bucket_count  # the product of each axis's number of sizes
+    limit = opts.rollback.max_recompiles
+    if limit is None:
+        limit = max(opts.rollback.recompile_limit, buckets.max_graphs(strategy))
+    elif limit < graphs:
         raise ConfigError(
-            f"safe_compile({name}=...) must be a {kind.__name__}(...) or None, "
-            f"got {type(value).__name__}"
+            f"safe_compile(rollback=Rollback(max_recompiles={limit})) is below the number of "
+            f"bucket sizes ({graphs}, every combination of sizes): buckets past the limit "
+            "would never compile; raise max_recompiles or use fewer sizes"
         )
-    return value
+    dynamic = opts.dynamic
+    if strategy == "pad":
+        if dynamic:
+            raise ConfigError(
+                "safe_compile(dynamic=True) with Buckets(strategy='pad') pads to static "
+                "sizes for nothing; use Buckets(strategy='dynamic') or dynamic=None"
+            )
+        # static padded shapes: automatic dynamic would fold the buckets into one
+        # dynamic graph, and pay for the padding anyway
+        dynamic = False
+    elif dynamic is False:
+        raise ConfigError(
+            "safe_compile(dynamic=False) contradicts Buckets(strategy='dynamic'), "
+            "which compiles one dynamic graph per range; use dynamic=None"
+        )
+    rollback = dataclasses.replace(opts.rollback, max_recompiles=limit)
+    return dataclasses.replace(opts, dynamic=dynamic, rollback=rollback), strategy
 
 
-def _guard(target: Any, *, config: _Config) -> Any:
+def _guard(target: Any, *, opts: Options, strategy: Strategy | None) -> Any:
     if getattr(target, "safecompile", None) is not None:
         raise TypeError(f"{target!r} is already guarded by safe_compile")
     if isinstance(target, torch.nn.Module):
-        return _guard_module(target, config)
+        return _guard_module(target, opts, strategy)
     if inspect.iscoroutinefunction(target) or inspect.isasyncgenfunction(target):
         raise TypeError(
             "safe_compile cannot guard async function "
@@ -333,76 +225,68 @@ def _guard(target: Any, *, config: _Config) -> Any:
         raise TypeError(
             f"safe_compile needs a function or an nn.Module, got {type(target).__name__}"
         )
-    name = config.name or f"{target.__module__}.{target.__qualname__}"
-    controller = _controller(name, target, target, config, module=None)
+    controller = _controller(opts.name or _name_of(target), target, opts, strategy, module=None)
     guarded = _make_guarded(controller, target)
-    _start_warmup(controller, config)
+    _start_warmup(controller, opts.warmup)
     return guarded
 
 
-def _guard_module(module: M, config: _Config) -> M:
+def _name_of(target: Callable[..., Any]) -> str:
+    """The default name: the function's (through ``functools.partial``), or a callable
+    object's class's."""
+    inner = target
+    while isinstance(inner, functools.partial):
+        inner = inner.func
+    if not hasattr(inner, "__qualname__"):  # a callable object
+        inner = type(inner)
+    return f"{getattr(inner, '__module__', None) or '__main__'}.{inner.__qualname__}"
+
+
+def _guard_module(module: M, opts: Options, strategy: Strategy | None) -> M:
     cls = type(module)
-    name = config.name or f"{cls.__module__}.{cls.__qualname__}.forward"
+    name = opts.name or f"{cls.__module__}.{cls.__qualname__}.forward"
     forward = module.forward  # the bound forward, as the class defines it
-    controller = _controller(name, forward, forward, config, module=module)
+    controller = _controller(name, forward, opts, strategy, module=module)
     # Instance attributes: type, parameters, buffers and state_dict() keys stay as they are.
     object.__setattr__(module, "forward", _ModuleForward(controller, forward))
     object.__setattr__(module, "safecompile", controller)
-    _start_warmup(controller, config)
+    _start_warmup(controller, opts.warmup)
     return module
 
 
 def _controller(
     name: str,
     fn: Callable[..., Any],
-    signature_of: Callable[..., Any],
-    config: _Config,
+    opts: Options,
+    strategy: Strategy | None,
     *,
     module: torch.nn.Module | None,
 ) -> Controller:
     activate_remote_cache()  # SAFECOMPILE_REMOTE_CACHE: torch's remote caches, fleet verdicts
     watch_disable_source()  # SAFECOMPILE_DISABLE_SOURCE: the fleet kill switch
-    options = CompileOptions(
-        backend=config.backend,
-        backend_label=backend_name(config.backend),
-        mode=config.mode,
-        options=config.options,
-        dynamic=config.dynamic,
-        fullgraph=config.fullgraph,
-        compiler=build_compiler(
-            config.backend, mode=config.mode, options=config.options, dynamic=config.dynamic
-        ),
-    )
     sink: Sink = Telemetry(
         function=name,
-        backend=options.backend_label,
-        tracer_provider=config.tracer_provider,
-        meter_provider=config.meter_provider,
+        backend=opts.backend_label,
+        tracer_provider=opts.tracer_provider,
+        meter_provider=opts.meter_provider,
     )
-    clock: Clock = config.clock
-    bucketer = (
-        Bucketer(config.buckets, fn, strategy=config.bucket_strategy)
-        if config.buckets is not None
-        else None
+    compiler = build_compiler(
+        opts.backend, mode=opts.mode, options=opts.options, dynamic=opts.dynamic
     )
+    bucketer = Bucketer(opts.buckets, fn, strategy=strategy) if opts.buckets is not None else None
     return Controller(
         name=name,
         fn=fn,
-        compile_options=options,
-        shadow=config.shadow,
-        rollback=config.rollback,
-        rollout=float(config.rollout),
+        opts=opts,
+        compiler=compiler,
         sink=sink,
-        clock=clock,
         module=module,
         bucketer=bucketer,
-        group=config.group,
         warm_call=warm_call,
     )
 
 
-def _start_warmup(controller: Controller, config: _Config) -> None:
-    warmup = config.warmup
+def _start_warmup(controller: Controller, warmup: Warmup | None) -> None:
     if warmup is None:
         return
     grad = torch.is_grad_enabled()

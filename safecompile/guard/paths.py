@@ -460,6 +460,7 @@ def _call_compiled(
                 return eager(c, args, kwargs, warmup=warmup)
             plan = None  # compile the shape as it is
         elif plan is not None and plan.status != "bucketed":
+            c._buckets.bucketer.check_dims(args, kwargs)  # a dim past the rank: ConfigError
             plan = None  # unbucketable: run it unpadded
         if plan is not None:
             entry = c._buckets.entry(plan)

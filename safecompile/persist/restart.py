@@ -40,8 +40,6 @@ from safecompile.observe.log import log_event
 from .cache import Verdict, VerdictStore, _write_atomic, artifact_key, cache_root
 
 if TYPE_CHECKING:
-    from safecompile.base.options import CompileOptions
-    from safecompile.base.policies import Shadow
     from safecompile.shapes.buckets import Bucketer, CutSpec, Plan
     from safecompile.shapes.table import BucketEntry
 
@@ -51,31 +49,12 @@ __all__ = [
     "BUCKET_VERIFIED",
     "Persisted",
     "bucket_scope",
-    "restart_key_options",
 ]
 
 BUCKET_VERIFIED = "bucket_verified"
 BUCKET_REJECTED = "bucket_rejected"
 ARTIFACTS = "compile_artifacts"
 _ARTIFACTS_SCOPE = "torch.compiler.save_cache_artifacts"
-
-
-def restart_key_options(
-    opts: CompileOptions, bucketer: Bucketer | None, shadow: Shadow | None
-) -> dict[str, Any]:
-    """What :func:`._cache.artifact_key` hashes for these verdicts besides code and
-    versions: torch.compile's options, the ``Buckets`` policy and the tolerances."""
-    return {
-        "backend": opts.backend_label,
-        "mode": opts.mode,
-        "options": opts.options,
-        "dynamic": opts.dynamic,
-        "extra": {
-            "fullgraph": opts.fullgraph,
-            "buckets": repr(bucketer.policy) if bucketer is not None else None,
-            "tolerances": repr((shadow.rtol, shadow.atol)) if shadow is not None else None,
-        },
-    }
 
 
 def bucket_scope(key: object) -> str:

@@ -786,6 +786,20 @@ class Bucketer:
             if any(n == 1 and self._sizes[a][0] > 1 for a, n in enumerate(c))
         )
 
+    def check_dims(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
+        """Raise :class:`ConfigError` when a bucketed dim is beyond its argument's rank:
+        ``Buckets(dims=...)`` does not fit the function's inputs (warmup, a first call)."""
+        found, _ = self._find(args, kwargs)
+        for slot, _, tensor in found:
+            rank = tensor.dim()
+            wrong = [d for d, _ in slot.dims if not -rank <= d < rank]
+            if wrong:
+                raise ConfigError(
+                    f"Buckets(dims=...) pads dim {wrong[0]} of {slot.name}, which has "
+                    f"{rank} dim(s) (shape {tuple(tensor.shape)}) in this call: name a dim "
+                    f"it has (0 to {rank - 1}, or -1 for the last)"
+                )
+
     def resize(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any], lengths: int | tuple[int, ...]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -796,6 +810,7 @@ class Bucketer:
         gives a call in each bucket."""
         if isinstance(lengths, int):
             lengths = (lengths,) * len(self.axes)
+        self.check_dims(args, kwargs)
         found, problem = self._find(args, kwargs)
         if problem is not None:
             raise PadError(f"cannot resize the example: {problem}")
