@@ -1,20 +1,14 @@
 """The ``.safecompile`` attribute of a guarded callable: its parts, and its public face.
 
-A :class:`Controller` owns the parts, each in the module named for it:
+A :class:`Controller` owns the parts (docs/design.md, "Who owns what"): the graph
+table (:mod:`.graphs`), the trips (:mod:`.trips`), compiles in flight (:mod:`.compiles`),
+shadow checks (:mod:`.shadow`), per-thread slots (:mod:`.slots`), the buckets
+(:mod:`safecompile.shapes.table`) and what a restart keeps (:mod:`safecompile.persist.restart`);
+the calls themselves take the paths in :mod:`.paths`.
 
-- :mod:`._graphs`: one record per graph torch compiles (canary, counters), made by the
-  backend that wraps the user's;
-- :mod:`.trips`: the breaker (tripped or not, backoff, the half-open trial), this
-  rank's side of the agreement with its peers, and the one way back from a trip;
-- :mod:`._compiles`: the compile in flight (single flight) and persisted failures;
-- :mod:`._restart`: bucket verdicts and torch's compile artifacts across restarts;
-- :mod:`._shadow` and :mod:`._state`: checks against eager, state-safe;
-- :mod:`._bucketing`: what was learnt about each bucket;
-- :mod:`._slots`: per-thread call slots and counters;
-- :mod:`._paths`: the hot path and the slow paths every call takes.
-
-The controller itself wires them, keeps the events, and answers ``state``, ``stats()``,
-``report()``, ``warmup()``, ``rollback()`` and ``reset()``.
+The controller itself wires them, keeps the events, and answers what the docs document,
+and nothing more: ``name``, ``state``, ``stats()``, ``events()``, ``warmup()``,
+``wait_warm()``, ``rollback()``, ``reset()``, ``report()`` and ``sync()``.
 """
 
 from __future__ import annotations
