@@ -172,6 +172,8 @@ def test_stdlib_record_carries_the_raw_text_as_a_field(caplog: pytest.LogCapture
     failed = by_event["safecompile.compile_failed"]
     rollback = by_event["safecompile.rollback"]
     assert "Data-dependent branching" in failed.error_message
+    assert "\n" not in failed.error_message  # torch's headline, not its whole text
+    assert len(failed.error_message) <= 160
     assert "Data-dependent branching" not in failed.getMessage()
     assert failed.error_kind == "data_dependent_branch"
     assert not hasattr(rollback, "error_message")

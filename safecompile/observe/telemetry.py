@@ -645,6 +645,20 @@ def _log_fields(telemetry: Telemetry, ev: Event) -> dict[str, Any]:
             fields["graph_break_lines"] = [
                 f"{b.get('file')}:{b.get('line')}" for b in value if isinstance(b, Mapping)
             ][:32]
+        elif key == "error_message" and isinstance(value, str):
+            fields[key] = _headline(value)
         elif key not in fields and isinstance(value, _SCALARS):
             fields[key] = safe_message(value) if isinstance(value, str) else _rounded(value)
     return fields
+
+
+#: Longest ``error_message`` log field: torch's headline, not its whole text (that is on
+#: the span's ``exception`` event).
+ERROR_HEADLINE_LIMIT = 160
+
+
+def _headline(text: str) -> str:
+    """torch's message as a log field: its first non-empty line, at most
+    :data:`ERROR_HEADLINE_LIMIT` characters."""
+    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    return safe_message(first, limit=ERROR_HEADLINE_LIMIT)
