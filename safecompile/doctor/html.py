@@ -16,13 +16,14 @@ import base64
 import html
 import io
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .formats import TAGS, graphs, secs, where
+from .report import Check, Report
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
-
-    from .report import Check, Report
 
 __all__ = ["INSTALL_HINT", "available", "render_html"]
 
@@ -37,7 +38,6 @@ _PATH_COLORS = {
     "failed": "#d62728",
     "skipped": "#bbbbbb",
 }
-_TAGS = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "skip": "SKIP"}
 _LABEL_CHARS = 48  # plot labels longer than this are cut
 _MAX_GRAPHS_PLOTTED = 40
 
@@ -75,8 +75,8 @@ def render_html(report: Report) -> str:
 
 def _verdict(r: Report) -> str:
     ready = r.ready
-    counts = {s: sum(c.status == s for c in r.checks) for s in _TAGS}
-    said = ", ".join(f"{n} {_TAGS[s].lower()}" for s, n in counts.items() if n)
+    counts = {s: sum(c.status == s for c in r.checks) for s in TAGS}
+    said = ", ".join(f"{n} {TAGS[s].lower()}" for s, n in counts.items() if n)
     return (
         '<section id="verdict">\n'
         f'<h1 class="{"ready" if ready else "not-ready"}">'
@@ -96,7 +96,7 @@ def _checklist(checks: Sequence[Check]) -> str:
     for c in checks:
         details = "".join(f"<li><code>{_e(line)}</code></li>" for line in c.lines)
         rows.append(
-            f'<tr class="{c.status}"><td class="tag">{_TAGS[c.status]}</td>'
+            f'<tr class="{c.status}"><td class="tag">{TAGS[c.status]}</td>'
             f"<th>{_e(c.title)}</th><td>{_e(c.summary)}"
             + (f"<ul>{details}</ul>" if details else "")
             + (f'<p class="advice">what to do: {_e(c.advice)}</p>' if c.status != "skip" else "")
@@ -145,9 +145,9 @@ def _latency(r: Report, figure: type[Figure]) -> str:
 
     image = _plot(figure, draw, (7.0, 3.4), "Latency per example: eager and compiled, p50 and p99")
     rows = "".join(
-        f"<tr><td><code>{_e(t.label)}</code></td><td>{_ms(t.eager_s)}</td>"
-        f"<td>{_ms(t.eager_p99_s)}</td><td>{_ms(t.compiled_s)}</td>"
-        f"<td>{_ms(t.compiled_p99_s)}</td>"
+        f"<tr><td><code>{_e(t.label)}</code></td><td>{secs(t.eager_s)}</td>"
+        f"<td>{secs(t.eager_p99_s)}</td><td>{secs(t.compiled_s)}</td>"
+        f"<td>{secs(t.compiled_p99_s)}</td>"
         f"<td>{'-' if t.ratio is None else f'{t.ratio:.2f}x'}"
         f"{' (noisy)' if t.noisy else ''}</td>"
         f"<td>{t.samples} x {t.calls_per_sample}</td></tr>"
@@ -182,7 +182,7 @@ def _compile_times(r: Report, figure: type[Figure]) -> str:
                     left += seconds * scale
                 rest = max(0.0, (c.seconds or 0.0) * scale - left)
                 ax.barh(y, rest, left=left, color=_COLORS["eager"], alpha=0.45)
-            labels = [f"#{i} {_cut(c.label)} ({_graphs(c.graphs)})" for i, c in drawn]
+            labels = [f"#{i} {_cut(c.label)} ({graphs(c.graphs)})" for i, c in drawn]
             ax.set_yticks(range(len(drawn)), labels, fontsize="small")
             ax.invert_yaxis()
             ax.set_xlabel(f"first call ({unit}): backend compile per graph, then the rest")
@@ -202,8 +202,8 @@ def _compile_times(r: Report, figure: type[Figure]) -> str:
         image = '<p class="none">no graph was compiled</p>'
     rows = "".join(
         f"<tr><td>{i}</td><td>{_e(c.role)}</td><td><code>{_e(c.label)}</code></td>"
-        f"<td>{_e(c.path)}</td><td>{c.graphs}</td><td>{_secs(c.seconds)}</td>"
-        f"<td>{_e(', '.join(_secs(s) for s in c.graph_s))}</td><td>{_e(c.note or '')}</td></tr>"
+        f"<td>{_e(c.path)}</td><td>{c.graphs}</td><td>{secs(c.seconds)}</td>"
+        f"<td>{_e(', '.join(secs(s) for s in c.graph_s))}</td><td>{_e(c.note or '')}</td></tr>"
         for i, c in calls
     )
     table = (
@@ -252,11 +252,11 @@ def _graph_breaks(r: Report) -> str:
         return head + f'<p class="none">none in {r.graphs} graph(s)</p>\n</section>'
     rows = []
     for b in r.graph_breaks:
-        where = _where(b.get("file"), b.get("line"), b.get("function"))
+        place = where(b.get("file"), b.get("line"), b.get("function"))
         reason = str(b.get("reason") or "")
         source = b.get("source")
         rows.append(
-            f"<tr><td><code>{_e(where)}</code>"
+            f"<tr><td><code>{_e(place)}</code>"
             + (f"<pre>{_e(b.get('line'))} | {_e(source)}</pre>" if source else "")
             + f"</td><td><pre>{_e(reason.strip())}</pre></td></tr>"
         )
@@ -311,20 +311,6 @@ def _cut(text: str, limit: int = _LABEL_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "\u2026"
 
 
-def _where(file: Any, line: Any, function: Any) -> str:
-    if not isinstance(file, str):
-        return "(unknown location)"
-    return (
-        file
-        + (f":{line}" if isinstance(line, int) else "")
-        + (f" in {function}" if function else "")
-    )
-
-
-def _graphs(n: int) -> str:
-    return f"{n} graph{'' if n == 1 else 's'}"
-
-
 def _time_unit(largest: float) -> tuple[float, str]:
     """A scale and unit name for times up to ``largest`` seconds."""
     if largest >= 1.0:
@@ -332,16 +318,6 @@ def _time_unit(largest: float) -> tuple[float, str]:
     if largest >= 1e-3:
         return 1e3, "ms"
     return 1e6, "us"
-
-
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.3g} ms"
-
-
-def _secs(seconds: float | None) -> str:
-    if seconds is None:
-        return "-"
-    return f"{seconds:.3g} s" if seconds >= 1.0 else f"{seconds * 1e3:.3g} ms"
 
 
 _PAGE = """<!DOCTYPE html>

@@ -1,0 +1,344 @@
+"""Judging: the readiness checks, pure functions of a :class:`~.report.Report`."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .formats import graphs, message_lines, secs, where
+from .report import Check, Report, Status, Timing
+
+__all__ = ["is_debug_backend", "judge"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Verdicts:
+    """One check's name and title; called with a status, it is that check's answer."""
+
+    name: str
+    title: str
+
+    def __call__(
+        self, status: Status, summary: str, advice: str = "none", lines: Sequence[str] = ()
+    ) -> Check:
+        return Check(
+            name=self.name,
+            title=self.title,
+            status=status,
+            summary=summary,
+            advice=advice,
+            lines=tuple(lines),
+        )
+
+
+def judge(report: Report) -> tuple[Check, ...]:
+    """The checks, from a report's measurements and thresholds (pure)."""
+    return (
+        _check_compile(report),
+        _check_graph_breaks(report),
+        _check_recompiles(report),
+        _check_speed(report),
+        _check_drift(report),
+    )
+
+
+def _check_compile(r: Report) -> Check:
+    verdict = _Verdicts("compile", "compile")
+    failure = r.failure
+    if failure is not None:
+        place = where(failure.file, failure.line, failure.function)
+        if failure.at_definition:
+            place += " (the function's definition: torch named no closer line)"
+        lines = [f"on {failure.label}", f"at {place}"]
+        if failure.source:
+            lines.append(f"  {failure.line} | {failure.source}")
+        lines += [f"  {m}" for m in message_lines(failure.message, 3)]
+        if failure.reason == "runtime_error":
+            return verdict(
+                "fail",
+                summary=f"the compiled code raised {failure.error_type} where eager does not",
+                advice="a compiler bug: safe_compile would roll back to eager; keep eager for "
+                "this callable and report it upstream with the line shown",
+                lines=lines,
+            )
+        return verdict(
+            "fail",
+            summary=f"compiling failed: {failure.error_type}",
+            advice="safe_compile would serve eager (no gain): fix the line shown, or rerun with "
+            "--backend aot_eager / eager to see which layer fails",
+            lines=lines,
+        )
+    compiled = [c for c in r.examples if c.path == "compiled"]
+    seconds = [c.seconds or 0.0 for c in r.examples]
+    total = math.fsum(seconds)
+    lines = [
+        f"{c.label}: {graphs(c.graphs)}, first call {secs(c.seconds)}"
+        + (f" (backend {secs(c.backend_s)})" if c.graphs else "")
+        + (f" - {c.note}" if c.note else "")
+        for c in r.examples
+    ]
+    made = sum(c.graphs for c in r.examples)
+    if made == 0:
+        return verdict(
+            "warn",
+            summary="nothing was captured: dynamo compiled no graph, so every call pays "
+            "its overhead for nothing",
+            advice="drop safe_compile here, or find out why with TORCH_LOGS=graph_breaks",
+            lines=lines,
+        )
+    n = len(r.examples)
+    done = f"{n} example{'s' if n > 1 else ''}" if len(compiled) == n else f"{len(compiled)} of {n}"
+    summary = f"{done} compiled into {graphs(made)}; cold first calls took {secs(total)}"
+    if total > r.thresholds.compile_warn_s:
+        return verdict(
+            "warn",
+            summary=summary + f" (over {secs(r.thresholds.compile_warn_s)})",
+            advice="compile before serving: warmup=Warmup(inputs=[...], background=True), "
+            "and keep SAFECOMPILE_CACHE_DIR on a persistent volume",
+            lines=lines,
+        )
+    return verdict(
+        "pass",
+        summary=summary,
+        advice="compile these shapes before traffic: warmup=Warmup(inputs=[...])",
+        lines=lines,
+    )
+
+
+def _check_graph_breaks(r: Report) -> Check:
+    verdict = _Verdicts("graph_breaks", "graph breaks")
+    allowed = r.thresholds.max_graph_breaks
+    breaks = r.graph_breaks
+    if r.failure is not None and r.graphs == 0:
+        return verdict(
+            "skip",
+            summary="unknown: the compile failed before any graph was captured",
+            advice="see compile",
+        )
+    lines: list[str] = []
+    for b in breaks:
+        lines.append(f"{where(b.get('file'), b.get('line'), b.get('function'))}")
+        if b.get("source"):
+            lines.append(f"  {b.get('line')} | {b.get('source')}")
+        reason = message_lines(str(b.get("reason") or ""), 1)
+        hint = [m for m in message_lines(str(b.get("reason") or ""), 8) if m.startswith("Hint:")]
+        lines += [f"  reason: {m}" for m in reason] + [f"  {h}" for h in hint[:1]]
+    n = len(breaks)
+    if n == 0:
+        return verdict(
+            "pass",
+            summary=f"no graph breaks in {graphs(r.graphs)}",
+            advice="keep it so in CI: safecompile.testing.assert_compiles(fn, *args)",
+        )
+    summary = f"{n} graph break{'s' if n > 1 else ''}, {allowed} allowed"
+    if n <= allowed:
+        return verdict(
+            "warn",
+            summary=summary,
+            advice="each break is a trip back to Python and a smaller graph: remove the ones "
+            "shown when you can",
+            lines=lines,
+        )
+    return verdict(
+        "fail",
+        summary=summary,
+        advice="remove each break at the line shown (TORCH_LOGS=graph_breaks explains it), "
+        "or accept them with --max-graph-breaks N",
+        lines=lines,
+    )
+
+
+def _check_recompiles(r: Report) -> Check:
+    verdict = _Verdicts("recompiles", "recompiles")
+    limit = r.thresholds.max_recompiles
+    if r.quick or r.failure is not None or not r.sweep:
+        why = r.sweep_plan or "no sweep"
+        if r.failure is not None and not r.quick:
+            why = "skipped: a compile failed"
+        return verdict("skip", summary=why, advice="none")
+    lines = [f"swept {r.sweep_plan}"]
+    reused = 0
+    for c in r.sweep:
+        if c.graphs == 0 and c.path == "compiled":
+            reused += 1  # served by a graph compiled before
+            continue
+        what = graphs(c.graphs) + (f" in {secs(c.seconds)}" if c.graphs else "")
+        lines.append(f"{c.label}: {what}" + (f" - {c.note}" if c.note else ""))
+    if reused:
+        lines.append(f"{reused} other shape(s) reused a graph compiled before")
+    if r.sweep_stopped:
+        lines.append(r.sweep_stopped)
+    ran = [c for c in r.sweep if c.path != "skipped"]
+    if not ran:
+        return verdict(
+            "warn",
+            summary="the sweep's shapes all raise in eager: it guessed the dims wrong",
+            advice="give the shapes to sweep: DoctorTarget(sweep=[...])",
+            lines=lines,
+        )
+    hit = next((c for c in r.sweep if c.path == "eager"), None)
+    dynamic = r.settings.get("dynamic")
+    if hit is not None:
+        if dynamic == "false":
+            advice = (
+                "with dynamic=False every new shape compiles: pad to a few sizes "
+                "(buckets=Buckets(dims={...}, sizes=pow2(lo, hi))) or let dims go dynamic "
+                "(dynamic=None)"
+            )
+        else:
+            advice = (
+                "pad the varying dims to a few sizes: buckets=Buckets(dims={...}, "
+                "sizes=pow2(lo, hi)), or mark them dynamic (dynamic=True); raise "
+                "Rollback(max_recompiles=...) only for a few known shapes"
+            )
+        return verdict(
+            "fail",
+            summary=f"{r.compiles} compiles reached max_recompiles={limit} at {hit.label}: "
+            "new shapes past it run eager",
+            advice=advice,
+            lines=lines,
+        )
+    summary = (
+        f"{len(ran)} swept shape(s): {r.compiles} compile(s) in all ({graphs(r.graphs)}), "
+        f"limit {limit}"
+    )
+    if r.compiles > limit // 2:
+        return verdict(
+            "warn",
+            summary=summary + ": over half the limit",
+            advice="real traffic has more shapes than the sweep: bound them with "
+            "buckets=Buckets(...) or dynamic=True",
+            lines=lines,
+        )
+    return verdict(
+        "pass",
+        summary=summary,
+        advice="nothing; if traffic has other shapes, sweep them: DoctorTarget(sweep=[...])",
+        lines=lines,
+    )
+
+
+def _check_speed(r: Report) -> Check:
+    verdict = _Verdicts("speed", "speed")
+    if r.quick or r.failure is not None or not r.timing:
+        why = "skipped (--quick)" if r.quick else "skipped: a compile failed"
+        return verdict("skip", summary=why, advice="none")
+    lines = [
+        f"{t.label}: compiled {secs(t.compiled_s)}, eager {secs(t.eager_s)}"
+        + (f" -> {t.ratio:.2f}x" if t.ratio is not None else "")
+        + (f" (noisy: spread {t.spread:.0%})" if t.noisy else "")
+        + (f" - {t.note}" if t.note else "")
+        for t in r.timing
+    ]
+    timed = [t for t in r.timing if t.ratio is not None]
+    if not timed:
+        return verdict(
+            "skip",
+            summary="the compiled path served no timed example",
+            advice="see recompiles",
+            lines=lines,
+        )
+    status, summary, advice = _speed_verdict(
+        timed, r.thresholds.slower_ratio, str(r.settings.get("backend"))
+    )
+    return verdict(
+        status,
+        summary=summary,
+        advice=advice,
+        lines=lines,
+    )
+
+
+def _speed_verdict(timed: list[Timing], limit: float, backend: str) -> tuple[Status, str, str]:
+    """Status, summary and advice of the speed check, from the timed examples (at least
+    one), the slower-ratio limit and the backend's name."""
+    worst = max(timed, key=lambda t: t.ratio or 0.0)
+    ratio = worst.ratio or 0.0
+    samples = f"median of {worst.samples} interleaved samples"
+    if is_debug_backend(backend) and ratio > 1.0:
+        return (
+            "warn",
+            f"compiled takes {ratio:.2f}x eager's time on {worst.label} ({samples}); "
+            f"backend {backend} does not optimise, so this is overhead only",
+            "judge speed with the backend you will serve with (default inductor)",
+        )
+    if ratio > limit and any(t.noisy for t in timed):
+        return (
+            "warn",
+            f"could not judge: compiled took {ratio:.2f}x eager's time on "
+            f"{worst.label}, but the timings were noisy (the machine was busy)",
+            "rerun on an idle machine, or with more --repeat",
+        )
+    if ratio > limit:
+        return (
+            "fail",
+            f"compiled takes {ratio:.2f}x eager's time on {worst.label} "
+            f"(limit {limit:.2f}x, {samples})",
+            "keep eager here, or give it more work per call (bigger batches) or another "
+            "mode; Rollback(slower_ratio=...) falls back automatically in production",
+        )
+    if ratio > 1.0:
+        return (
+            "warn",
+            f"no speed-up: compiled takes {ratio:.2f}x eager's time on {worst.label} ({samples})",
+            "compiling buys nothing here yet: try mode='max-autotune' or bigger batches "
+            "before switching it on",
+        )
+    best = min(t.ratio or 0.0 for t in timed)
+    spread = f"{ratio:.2f}x" if len(timed) == 1 else f"{best:.2f}x to {ratio:.2f}x"
+    return (
+        "pass",
+        f"compiled takes {spread} eager's time ({samples})",
+        "set Rollback(slower_ratio=1.1) to fall back if traffic shapes behave worse",
+    )
+
+
+def _check_drift(r: Report) -> Check:
+    verdict = _Verdicts("drift", "drift")
+    compared = [c for c in (*r.examples, *r.sweep) if c.path == "compiled"]
+    if not compared:
+        return verdict(
+            "skip",
+            summary="no compiled output to compare",
+            advice="see compile",
+        )
+    max_abs = max(c.max_abs or 0.0 for c in compared)
+    max_rel = max(c.max_rel or 0.0 for c in compared)
+    figures = f"max abs {max_abs:.3g}, normalised {max_rel:.3g}"
+    breached = [c for c in compared if c.drift is not None]
+    lines = [f"{c.label}: {c.drift}" for c in breached[:5]]
+    if r.random_op is not None:
+        return verdict(
+            "warn",
+            summary=f"not comparable: the graph draws random numbers ({r.random_op}); {figures}",
+            advice="return the model in eval() mode from the factory; safe_compile skips "
+            "shadow checks on such graphs",
+            lines=lines,
+        )
+    if breached:
+        return verdict(
+            "fail",
+            summary=f"compiled differs from eager on {len(breached)} of {len(compared)} "
+            f"call(s): {figures}",
+            advice="find the op: rerun with --backend aot_eager (no drift: the backend causes "
+            "it); if expected (low precision), set DoctorTarget(rtol=..., atol=...) and "
+            "Shadow(rtol=..., atol=...)",
+            lines=lines,
+        )
+    tolerance = (
+        "per-dtype default tolerances"
+        if r.settings.get("rtol") is None
+        else f"rtol {r.settings.get('rtol')}"
+    )
+    return verdict(
+        "pass",
+        summary=f"{figures} over {len(compared)} call(s), within {tolerance}",
+        advice="keep shadow checks on in production: Shadow(canary=8) compares new graphs",
+    )
+
+
+def is_debug_backend(name: str) -> bool:
+    """Whether ``name`` is a torch backend that runs the graph as captured (no speed-up to
+    expect): ``eager``, ``aot_eager`` and their variants."""
+    return name == "pre_dispatch_eager" or name.startswith(("eager", "aot_eager"))

@@ -1,0 +1,618 @@
+"""Measuring: run the target through ``safe_compile`` next to eager, and fill a report.
+
+:func:`diagnose` compiles each example cold, sweeps shapes against the recompile limit,
+times compiled against eager in interleaved pairs and compares outputs; the verdict is
+:func:`~safecompile.doctor.judge.judge`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import platform
+import statistics
+import time
+import types
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch.utils import _pytree as pytree
+
+from safecompile._version import __version__
+from safecompile.base.errors import ConfigError
+from safecompile.base.model import Event, EventKind, State
+from safecompile.base.policies import Buckets, Rollback
+from safecompile.checks.compare import compare
+from safecompile.guard.backend import backend_name, build_compiler, validate_compile_options
+from safecompile.guard.decorator import safe_compile
+from safecompile.guard.graphs import random_op
+from safecompile.observe.progress import spinner
+from safecompile.observe.source import dedupe_graph_breaks, graph_breaks_of, location_of_function
+
+from .formats import qualname, source_line
+from .judge import judge
+from .report import (
+    DEFAULT_LIMIT,
+    Call,
+    DoctorTarget,
+    Example,
+    Failure,
+    Report,
+    Settings,
+    Thresholds,
+    Timing,
+    UsageError,
+)
+from .sweep import sweep_calls, tensors
+from .target import error_at, parse_inputs, user_traceback
+
+__all__ = ["diagnose", "versions"]
+
+_SAMPLE_S = 2e-3  # a timing sample runs the call enough times to last about this long
+_MAX_INNER = 1000
+_MAX_TIMED = 4  # examples timed (the first ones)
+
+
+@dataclass(frozen=True, slots=True)
+class _Graph:
+    breaks: tuple[dict[str, object], ...]
+    random_op: str | None
+    backend_s: float
+
+
+class _Recorder:
+    """The backend handed to ``safe_compile``: notes each graph, then compiles it."""
+
+    def __init__(self, compiler: Callable[..., Any], label: str) -> None:
+        self.graphs: list[_Graph] = []
+        self._compiler = compiler
+        self.__name__ = label
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        breaks = tuple(graph_breaks_of(gm, include_resumed=True))
+        random = random_op(gm)
+        started = time.perf_counter()
+        try:
+            return self._compiler(gm, example_inputs)
+        finally:
+            self.graphs.append(_Graph(breaks, random, time.perf_counter() - started))
+
+
+@dataclass(frozen=True, kw_only=True)
+class _Plan:
+    """The target and settings, resolved."""
+
+    call: Callable[..., Any]  # what is guarded: a function, or a module's bound forward
+    kind: str
+    name: str
+    backend: str | Callable[..., Any]
+    mode: str | None
+    options: Mapping[str, Any] | None
+    dynamic: bool | None
+    fullgraph: bool
+    buckets: Buckets | None
+    examples: tuple[Example, ...]
+    sweep: tuple[Example, ...] | None  # None: guess; (): none
+    rtol: float | None
+    atol: float | None
+    thresholds: Thresholds
+
+
+def diagnose(
+    target: DoctorTarget,
+    settings: Settings | None = None,
+    *,
+    spec: str = "",
+    progress: Callable[[str], None] | None = None,
+) -> Report:
+    """Run ``target`` through ``safe_compile`` next to eager and judge it.
+
+    ``spec`` names the target in the report; ``progress`` receives a line per step (the
+    CLI prints them on stderr). Raises :class:`UsageError` when the options are invalid or
+    an example raises in eager too.
+    """
+    settings = settings or Settings()
+    say = progress or (lambda _line: None)
+    plan = _plan(target, settings)
+    if settings.reset_dynamo:
+        torch._dynamo.reset()
+    recorder = _Recorder(
+        build_compiler(plan.backend, mode=plan.mode, options=plan.options, dynamic=plan.dynamic),
+        backend_name(plan.backend),
+    )
+    try:
+        guarded: Any = safe_compile(
+            plan.call,
+            backend=recorder,
+            dynamic=plan.dynamic,
+            fullgraph=plan.fullgraph,
+            buckets=plan.buckets,
+            shadow=None,
+            rollback=Rollback(max_recompiles=plan.thresholds.max_recompiles, slower_ratio=None),
+            name=plan.name,
+        )
+    except (ConfigError, TypeError) as exc:
+        raise UsageError(str(exc)) from exc
+    session = _Session(guarded, plan, recorder)
+    if guarded.safecompile.state is State.DISABLED:
+        raise UsageError(
+            f"the kill switch turns {plan.name!r} off (SAFECOMPILE_DISABLE="
+            f"{os.environ.get('SAFECOMPILE_DISABLE', '')!r}): unset it to run the doctor"
+        )
+
+    # told progress (the CLI): a compile past ~2 s also shows "compiling ... 12 s" on a TTY
+    shown = spinner() if progress is not None else contextlib.nullcontext()
+    with torch.set_grad_enabled(settings.grad), shown:
+        calls = _run_examples(session, plan, say)
+        sweep, sweep_plan, stopped = _run_sweep(session, plan, settings, say)
+        timing = _run_timing(session, plan, settings, say)
+
+    graphs = recorder.graphs
+    breaks = dedupe_graph_breaks(b for g in graphs for b in g.breaks)
+    stats = guarded.safecompile.stats()
+    report = Report(
+        target=spec or plan.name,
+        name=plan.name,
+        kind=plan.kind,
+        settings=_report_settings(plan, settings),
+        thresholds=plan.thresholds,
+        versions=versions(_device_of(plan)),
+        quick=settings.quick,
+        examples=tuple(calls),
+        sweep=tuple(sweep),
+        sweep_plan=sweep_plan,
+        sweep_stopped=stopped,
+        compiles=stats.compiles,
+        graphs=len(graphs),
+        graph_breaks=tuple(with_source(b) for b in breaks),
+        random_op=next((g.random_op for g in graphs if g.random_op is not None), None),
+        timing=tuple(timing),
+        failure=session.failure,
+    )
+    return dataclasses.replace(report, checks=judge(report))
+
+
+def _run_examples(session: _Session, plan: _Plan, say: Callable[[str], None]) -> list[Call]:
+    """Each example's first call, up to the first that fails to compile."""
+    calls: list[Call] = []
+    for i, example in enumerate(plan.examples):
+        label = example.label()
+        say(f"compiling example {i + 1}/{len(plan.examples)}: {label}")
+        calls.append(session.first_call(example, label, "example"))
+        if session.failed():
+            break
+    return calls
+
+
+def _run_sweep(
+    session: _Session, plan: _Plan, settings: Settings, say: Callable[[str], None]
+) -> tuple[list[Call], str, str | None]:
+    """The sweep's first calls, what it varied (or why there was none), and why it
+    stopped early (``None``: it did not)."""
+    if settings.quick:
+        return [], "skipped (--quick)", None
+    if session.failed():
+        return [], "skipped: a compile failed", None
+    sweep: list[Call] = []
+    stopped: str | None = None
+    shapes, sweep_plan = sweep_calls(plan.sweep, plan.examples)
+    for i, (label, example) in enumerate(shapes):
+        say(f"sweep {i + 1}/{len(shapes)}: {label}")
+        call = session.first_call(example, label, "sweep")
+        sweep.append(call)
+        if session.failed():
+            stopped = "stopped: a compile failed"
+            break
+        if call.path == "eager" and session.limit_hit:
+            left = len(shapes) - i - 1
+            stopped = (
+                f"stopped at the recompile limit ({left} more shape(s) would run eager)"
+                if left
+                else None
+            )
+            break
+    return sweep, sweep_plan, stopped
+
+
+def _run_timing(
+    session: _Session, plan: _Plan, settings: Settings, say: Callable[[str], None]
+) -> list[Timing]:
+    """Compiled against eager timings of the first examples (none when quick or failed)."""
+    timing: list[Timing] = []
+    if not settings.quick and session.failure is None:
+        for i, example in enumerate(plan.examples[:_MAX_TIMED]):
+            label = example.label()
+            say(f"timing example {i + 1}: {label} ({settings.repeat} samples)")
+            timing.append(session.time(example, label, settings.repeat))
+    return timing
+
+
+def _report_settings(plan: _Plan, settings: Settings) -> dict[str, Any]:
+    """The settings the doctor ran with, as the report shows them."""
+    return {
+        "backend": backend_name(plan.backend),
+        "mode": plan.mode,
+        "options": dict(plan.options) if plan.options else None,
+        "dynamic": {None: "auto", True: "true", False: "false"}[plan.dynamic],
+        "fullgraph": plan.fullgraph,
+        "buckets": repr(plan.buckets) if plan.buckets is not None else None,
+        "grad": settings.grad,
+        "repeat": settings.repeat,
+        "rtol": plan.rtol,
+        "atol": plan.atol,
+        "examples": len(plan.examples),
+    }
+
+
+def _plan(target: DoctorTarget, settings: Settings) -> _Plan:
+    fn = target.fn
+    controller = getattr(fn, "safecompile", None)
+    kind, call, name = _guarded_call(fn, controller)
+    inherited, name = _inherited(controller, name)
+    name = target.name or name
+
+    backend, mode, options = _compiler_choice(target, settings, inherited)
+    dynamic = _dynamic_choice(target, settings, inherited)
+    fullgraph = target.fullgraph or bool(inherited.get("fullgraph"))
+    try:
+        validate_compile_options(
+            backend=backend, mode=mode, options=options, dynamic=dynamic, fullgraph=fullgraph
+        )
+    except ConfigError as exc:
+        raise UsageError(f"invalid compile option: {exc}") from exc
+
+    limit = settings.max_recompiles or target.max_recompiles or DEFAULT_LIMIT
+    sweep = _sweep_examples(target)  # parsed before the inputs: same error first
+    return _Plan(
+        call=call,
+        kind=kind,
+        name=name,
+        backend=backend,
+        mode=mode,
+        options=options,
+        dynamic=dynamic,
+        fullgraph=fullgraph,
+        buckets=target.buckets,
+        examples=parse_inputs(target.inputs, "inputs"),
+        sweep=sweep,
+        rtol=target.rtol,
+        atol=target.atol,
+        thresholds=Thresholds(
+            max_graph_breaks=settings.max_graph_breaks,
+            max_recompiles=limit,
+            slower_ratio=settings.slower_ratio,
+            compile_warn_s=settings.compile_warn_s,
+        ),
+    )
+
+
+def _guarded_call(fn: Callable[..., Any], controller: Any) -> tuple[str, Callable[..., Any], str]:
+    """What the doctor guards for ``fn`` (``controller``: its ``safecompile``, if guarded):
+    its kind, the callable (a module's bound forward, or the function inside a guarded
+    one) and its qualified name."""
+    if isinstance(fn, torch.nn.Module):
+        cls = type(fn)
+        forward = types.MethodType(cls.forward, fn)
+        return "module", forward, f"{cls.__module__}.{cls.__qualname__}.forward"
+    call = fn
+    if controller is not None:
+        wrapped = getattr(fn, "__wrapped__", None)
+        if not callable(wrapped):
+            raise UsageError(f"cannot find the function inside guarded {fn!r}")
+        call = wrapped
+    return "function", call, f"{getattr(call, '__module__', None) or '__main__'}.{qualname(call)}"
+
+
+def _inherited(controller: Any, name: str) -> tuple[dict[str, Any], str]:
+    """The settings an already guarded target was made with (its backend and mode only
+    when the backend is a known name), and its name (``name`` when it has none)."""
+    inherited: dict[str, Any] = {}
+    if controller is not None and callable(getattr(controller, "report", None)):
+        info = controller.report()
+        name = str(getattr(controller, "name", name))
+        known = set(torch._dynamo.list_backends(exclude_tags=()))
+        if info.get("backend") in known:
+            inherited["backend"] = info["backend"]
+            inherited["mode"] = info.get("mode")
+        inherited["dynamic"] = info.get("dynamic")
+        inherited["fullgraph"] = bool(info.get("fullgraph"))
+    return inherited, name
+
+
+def _compiler_choice(
+    target: DoctorTarget, settings: Settings, inherited: Mapping[str, Any]
+) -> tuple[str | Callable[..., Any], str | None, Mapping[str, Any] | None]:
+    """Backend, mode and options: the command line's, else the target's, else those of
+    the guarded target, else inductor's defaults."""
+    if settings.backend is not None:
+        # the target's options are for the target's backend
+        return settings.backend, settings.mode, None
+    backend = target.backend or inherited.get("backend") or "inductor"
+    mode = settings.mode or target.mode or inherited.get("mode")
+    options = target.options
+    if mode is not None and options is not None and settings.mode is not None:
+        options = None  # --mode replaces the target's options
+    return backend, mode, options
+
+
+def _dynamic_choice(
+    target: DoctorTarget, settings: Settings, inherited: Mapping[str, Any]
+) -> bool | None:
+    """``dynamic``: the command line's, else the target's, else the guarded target's."""
+    if settings.dynamic is not None:
+        return {"true": True, "false": False, "auto": None}[settings.dynamic]
+    dynamic: bool | None = (
+        target.dynamic if target.dynamic is not None else inherited.get("dynamic")
+    )
+    return dynamic
+
+
+def _sweep_examples(target: DoctorTarget) -> tuple[Example, ...] | None:
+    """The target's sweep: ``None`` to guess one, ``()`` for none, else its calls."""
+    if target.sweep is None:
+        return None
+    empty = isinstance(target.sweep, Sequence) and len(target.sweep) == 0
+    return () if empty else parse_inputs(target.sweep, "sweep")
+
+
+class _Session:
+    """One guarded callable, its eager twin, and what has gone wrong so far."""
+
+    def __init__(self, guarded: Any, plan: _Plan, recorder: _Recorder) -> None:
+        self.guarded = guarded
+        self.controller = guarded.safecompile
+        self.eager = plan.call
+        self.plan = plan
+        self.recorder = recorder
+        self.failure: Failure | None = None
+        self.limit_hit = False
+        self._sync = _synchronizer(plan)
+
+    def failed(self) -> bool:
+        """Whether the compiled path has failed (the rest of the checks are moot)."""
+        return self.failure is not None
+
+    def first_call(self, example: Example, label: str, role: Literal["example", "sweep"]) -> Call:
+        """Call a new shape through the guarded callable, then eager, and compare."""
+        graphs_before = len(self.recorder.graphs)
+        events_before = self.controller.events()
+        before = self.controller.stats()
+        args, kwargs = _cloned(example)
+        started = time.perf_counter()
+        try:
+            out = self.guarded(*args, **kwargs)
+            self._sync()
+        except Exception as exc:
+            # safe_compile raises only what eager raises too: the inputs' own error
+            if role == "example":
+                raise UsageError(
+                    f"the example {label} raises in eager too ({error_at(exc)}): "
+                    "fix the factory's inputs",
+                    detail=user_traceback(exc),
+                ) from exc
+            return Call(
+                label=label,
+                role=role,
+                path="skipped",
+                note=f"eager raises {type(exc).__name__}: the sweep does not fit these inputs",
+            )
+        seconds = time.perf_counter() - started
+        new_graphs = self.recorder.graphs[graphs_before:]
+        graphs = len(new_graphs)
+        backend_s = math.fsum(g.backend_s for g in new_graphs)
+        graph_s = tuple(g.backend_s for g in new_graphs)
+        events = _since(events_before, self.controller.events())
+        after = self.controller.stats()
+        failed = _failure_event(events)
+        if failed is not None:
+            self.failure = self._failure(failed, label)
+            return Call(
+                label=label,
+                role=role,
+                path="failed",
+                seconds=seconds,
+                graphs=graphs,
+                backend_s=backend_s,
+                graph_s=graph_s,
+                note=f"{failed.error_type}: safe_compile answered with eager's result",
+            )
+        if after.compiled_calls == before.compiled_calls:
+            limit = after.recompile_limit_calls > before.recompile_limit_calls or any(
+                e.kind is EventKind.RECOMPILE_LIMIT for e in events
+            )
+            self.limit_hit = self.limit_hit or limit
+            return Call(
+                label=label,
+                role=role,
+                path="eager",
+                seconds=seconds,
+                graphs=graphs,
+                backend_s=backend_s,
+                graph_s=graph_s,
+                note="past the recompile limit: runs eager" if limit else "ran eager",
+            )
+        args, kwargs = _cloned(example)
+        expected = self.eager(*args, **kwargs)
+        result = compare(out, expected, rtol=self.plan.rtol, atol=self.plan.atol)
+        return Call(
+            label=label,
+            role=role,
+            path="compiled",
+            seconds=seconds,
+            graphs=graphs,
+            backend_s=backend_s,
+            graph_s=graph_s,
+            max_abs=result.max_abs,
+            max_rel=result.max_rel,
+            drift=result.reason,
+        )
+
+    def time(self, example: Example, label: str, repeat: int) -> Timing:
+        """Median per-call time of each path, in interleaved samples."""
+        args, kwargs = example.args, dict(example.kwargs)
+
+        def compiled() -> Any:
+            return self.guarded(*args, **kwargs)
+
+        def eager() -> Any:
+            return self.eager(*args, **kwargs)
+
+        before = self.controller.stats().compiled_calls
+        compiled()
+        eager()
+        one = max(self._clock(eager, 1), self._clock(compiled, 1))
+        inner = max(1, min(_MAX_INNER, int(_SAMPLE_S / max(one, 1e-9))))
+        c_times: list[float] = []
+        e_times: list[float] = []
+        for i in range(repeat):
+            if i % 2:
+                e_times.append(self._clock(eager, inner))
+                c_times.append(self._clock(compiled, inner))
+            else:
+                c_times.append(self._clock(compiled, inner))
+                e_times.append(self._clock(eager, inner))
+        served = self.controller.stats().compiled_calls - before
+        calls = repeat * inner + 2
+        eager_s = statistics.median(e_times)
+        if served == 0:
+            return Timing(
+                label=label,
+                eager_s=eager_s,
+                compiled_s=None,
+                ratio=None,
+                samples=repeat,
+                calls_per_sample=inner,
+                note="the compiled path did not serve this shape (it ran eager)",
+                eager_p99_s=_p99(e_times),
+            )
+        # Each pair was timed back to back: the median of the pairs' ratios holds up when
+        # the machine's load changes during the run; their spread says how much it did.
+        ratios = [c / e for c, e in zip(c_times, e_times, strict=True) if e > 0]
+        ratio = statistics.median(ratios) if ratios else None
+        spread = None
+        if ratio and len(ratios) >= 4:
+            q1, _, q3 = statistics.quantiles(ratios, n=4)
+            spread = (q3 - q1) / ratio
+        return Timing(
+            label=label,
+            eager_s=eager_s,
+            compiled_s=statistics.median(c_times),
+            ratio=ratio,
+            samples=repeat,
+            calls_per_sample=inner,
+            spread=spread,
+            note=None if served == calls else f"{calls - served} of {calls} calls ran eager",
+            eager_p99_s=_p99(e_times),
+            compiled_p99_s=_p99(c_times),
+        )
+
+    def _clock(self, fn: Callable[[], Any], n: int) -> float:
+        started = time.perf_counter()
+        for _ in range(n):
+            fn()
+        self._sync()
+        return (time.perf_counter() - started) / n
+
+    def _failure(self, event: Event, label: str) -> Failure:
+        defined = location_of_function(self.plan.call)
+        at_definition = (
+            defined is not None and event.file == defined.file and event.line == defined.line
+        )
+        return Failure(
+            reason=event.reason.value if event.reason is not None else "compile_error",
+            label=label,
+            error_type=event.error_type,
+            message=event.message,
+            file=event.file,
+            line=event.line,
+            function=event.function,
+            source=source_line(event.file, event.line),
+            at_definition=at_definition,
+        )
+
+
+def _failure_event(events: Sequence[Event]) -> Event | None:
+    for kind in (EventKind.COMPILE_FAILED, EventKind.ROLLBACK):
+        for event in events:
+            if event.kind is kind:
+                return event
+    return None
+
+
+def _since(before: Sequence[Event], after: Sequence[Event]) -> tuple[Event, ...]:
+    """The events in ``after`` newer than the newest of ``before`` (compared by identity)."""
+    if not before:
+        return tuple(after)
+    last = before[-1]
+    for i in range(len(after) - 1, -1, -1):
+        if after[i] is last:
+            return tuple(after[i + 1 :])
+    return tuple(after)
+
+
+def _cloned(example: Example) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Fresh copies of the tensors, so a call that mutates its inputs cannot skew the next."""
+    args, kwargs = pytree.tree_map_only(
+        torch.Tensor, lambda t: t.clone(), (example.args, dict(example.kwargs))
+    )
+    return tuple(args), dict(kwargs)
+
+
+def _device_of(plan: _Plan) -> torch.device:
+    for example in plan.examples:
+        for t in tensors(example):
+            return t.device
+    owner = getattr(plan.call, "__self__", None)
+    if isinstance(owner, torch.nn.Module):
+        for p in owner.parameters():
+            return p.device
+    return torch.device("cpu")
+
+
+def _synchronizer(plan: _Plan) -> Callable[[], None]:
+    device = _device_of(plan)
+    if device.type == "cpu":
+        return lambda: None
+    module = getattr(torch, device.type, None)
+    sync = getattr(module, "synchronize", None)
+    if not callable(sync):
+        return lambda: None
+    return lambda: sync(device)
+
+
+def versions(device: torch.device | None = None) -> dict[str, str]:
+    """safecompile, torch, Python, platform and device, as text."""
+    device = device or torch.device("cpu")
+    if device.type == "cuda" and torch.cuda.is_available():
+        name = torch.cuda.get_device_name(device)
+        where = f"{device} ({name}, CUDA {torch.version.cuda})"
+    elif device.type == "cpu":
+        where = f"cpu ({platform.machine() or '?'}, {torch.get_num_threads()} threads)"
+    else:
+        where = str(device)
+    return {
+        "safecompile": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(terse=True),
+        "device": where,
+    }
+
+
+def _p99(samples: Sequence[float]) -> float:
+    """The 99th percentile of timing samples (linear between ranks; the largest when few)."""
+    if len(samples) < 2:
+        return samples[0]
+    return statistics.quantiles(samples, n=100, method="inclusive")[98]
+
+
+def with_source(entry: Mapping[str, object]) -> dict[str, object]:
+    file, line = entry.get("file"), entry.get("line")
+    source = source_line(
+        file if isinstance(file, str) else None, line if isinstance(line, int) else None
+    )
+    return {**entry, "source": source}

@@ -1,0 +1,213 @@
+"""Loading the doctor's target: import ``MODULE``, call ``FACTORY()``, check what it gave.
+
+Every failure is a :class:`~safecompile.doctor.report.UsageError` whose one line names the
+user's own line (never torch's or safecompile's: a factory that raises inside
+``torch.load`` points at the factory's call).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+import traceback
+import types
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from safecompile.observe.source import is_user_file
+
+from .formats import kind, where
+from .report import DoctorTarget, Example, UsageError
+
+__all__ = ["error_at", "load_target", "parse_inputs", "to_target", "user_traceback"]
+
+
+def to_target(value: object, factory: str = "FACTORY") -> DoctorTarget:
+    """``FACTORY()``'s return value as a :class:`DoctorTarget` (:class:`UsageError` if not one).
+
+    Accepted: a ``DoctorTarget``, or a pair ``(fn, inputs)``.
+    """
+    if isinstance(value, DoctorTarget):
+        target = value
+    elif isinstance(value, tuple) and len(value) == 2 and callable(value[0]):
+        target = DoctorTarget(fn=value[0], inputs=value[1])
+    else:
+        hint = " (a callable without inputs: return (fn, inputs))" if callable(value) else ""
+        raise UsageError(
+            f"{factory}() returned {kind(value)}{hint}; expected "
+            "DoctorTarget(fn=..., inputs=[...]) or a pair (fn, inputs), where inputs is a "
+            "list of calls (each a tuple of arguments, a dict of keyword arguments or a "
+            "tensor) or one call's tuple of arguments"
+        )
+    if not callable(target.fn):
+        raise UsageError(
+            f"{factory}(): fn must be a function or an nn.Module, got {kind(target.fn)}"
+        )
+    parse_inputs(target.inputs, f"{factory}(): inputs")  # refuse bad inputs now
+    if target.sweep is not None and not (
+        isinstance(target.sweep, Sequence) and len(target.sweep) == 0
+    ):
+        parse_inputs(target.sweep, f"{factory}(): sweep")
+    return target
+
+
+def parse_inputs(value: object, what: str = "inputs") -> tuple[Example, ...]:
+    """The example calls in ``value`` (see :class:`DoctorTarget`); :class:`UsageError` if none."""
+    if isinstance(value, torch.Tensor | tuple | Mapping):
+        return (_one(value, what),)
+    if isinstance(value, Sequence) and not isinstance(value, str | bytes):
+        if not value:
+            raise UsageError(f"{what} is empty: give at least one example call")
+        return tuple(_one(item, f"{what}[{i}]") for i, item in enumerate(value))
+    raise UsageError(
+        f"{what} must be a list of calls (each a tuple of arguments, a dict of keyword "
+        f"arguments or a tensor) or one call's tuple of arguments, got {kind(value)}"
+    )
+
+
+def _one(value: object, what: str) -> Example:
+    if isinstance(value, torch.Tensor):
+        return Example((value,))
+    if isinstance(value, tuple):
+        return Example(value)
+    if isinstance(value, Mapping):
+        bad = [k for k in value if not isinstance(k, str) or not k.isidentifier()]
+        if bad:
+            raise UsageError(f"{what}: keyword argument names must be identifiers, got {bad[0]!r}")
+        return Example((), dict(value))
+    raise UsageError(
+        f"{what} must be a tuple of positional arguments, a dict of keyword arguments or a "
+        f"tensor, got {kind(value)} (wrap one argument as (arg,))"
+    )
+
+
+def load_target(spec: str) -> DoctorTarget:
+    """Import ``MODULE`` and call ``FACTORY()`` for ``spec = "MODULE:FACTORY"``.
+
+    ``MODULE`` is a dotted module name (the current directory is importable, as with
+    ``python -m``) or a path to a ``.py`` file; ``FACTORY`` may be dotted
+    (``Class.method``). Every failure is a :class:`UsageError`.
+    """
+    module_part, sep, attr = spec.rpartition(":")
+    if not sep or not module_part or not attr or os.sep in attr:
+        raise UsageError(
+            f"expected MODULE:FACTORY (e.g. mypkg.models:doctor_target or "
+            f"path/to/file.py:doctor_target), got {spec!r}"
+        )
+    module = _import(module_part)
+    factory: Any = module
+    for part in attr.split("."):
+        try:
+            factory = getattr(factory, part)
+        except AttributeError:
+            raise UsageError(
+                f"{module_part} has no attribute {attr!r} (looked for the factory in "
+                f"{getattr(module, '__file__', module_part)})"
+            ) from None
+    if not callable(factory):
+        raise UsageError(f"{spec} is {kind(factory)}, not a callable factory")
+    try:
+        value = factory()
+    except (Exception, SystemExit) as exc:
+        raise UsageError(f"{attr}() raised {error_at(exc)}", detail=user_traceback(exc)) from exc
+    return to_target(value, attr)
+
+
+def _import(name: str) -> types.ModuleType:
+    if name.endswith(".py") or "/" in name or os.sep in name:
+        return _import_file(name)
+    cwd = os.getcwd()
+    if "" not in sys.path and cwd not in sys.path:
+        sys.path.insert(0, cwd)  # what `python -m` does; a console script does not
+    try:
+        return importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        if exc.name is not None and (name == exc.name or name.startswith(exc.name + ".")):
+            raise UsageError(
+                f"cannot import {name!r}: no module named {exc.name!r} here (run from the folder "
+                "that holds it, or give a file: path/to/file.py:FACTORY)"
+            ) from None
+        raise UsageError(
+            f"cannot import {name!r}: {error_at(exc)}", detail=user_traceback(exc)
+        ) from exc
+    except (Exception, SystemExit) as exc:
+        raise UsageError(
+            f"cannot import {name!r}: {error_at(exc)}", detail=user_traceback(exc)
+        ) from exc
+
+
+def _import_file(name: str) -> types.ModuleType:
+    path = os.path.abspath(name)
+    if not os.path.isfile(path):
+        raise UsageError(f"no such file: {name}")
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str) and os.path.abspath(file) == path:
+            return module  # already imported under its own name: the same objects
+    stem = os.path.splitext(os.path.basename(path))[0]
+    modname = (
+        stem if stem.isidentifier() and stem not in sys.modules else f"_doctor_{abs(hash(path))}"
+    )
+    spec = importlib.util.spec_from_file_location(modname, path)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"cannot import {name}: not a Python module")
+    module = importlib.util.module_from_spec(spec)
+    folder = os.path.dirname(path)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)  # its sibling modules import, as when run as a script
+    sys.modules[modname] = module
+    try:
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:
+        del sys.modules[modname]
+        raise UsageError(
+            f"cannot import {name}: {error_at(exc)}", detail=user_traceback(exc)
+        ) from exc
+    return module
+
+
+_MESSAGE_LIMIT = 300
+
+
+def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
+    """``tb`` from its first frame that is the user's code (``None`` if none is)."""
+    while tb is not None and not is_user_file(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return tb
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback of ``exc`` from the user's first frame on (safecompile's, torch's and
+    the import machinery's are left out)."""
+    tb = _user_frames(exc.__traceback__)
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+def error_at(exc: BaseException) -> str:
+    """``Type: message (at file:line in function)`` on one line: the user's deepest frame
+    (a factory that raises inside ``torch.load`` is located at its own call, not torch's)."""
+    if isinstance(exc, SystemExit):
+        text = f"SystemExit({exc.code!r}) (sys.exit() while the doctor loaded it)"
+    else:
+        message = " ".join(str(exc).split())
+        if len(message) > _MESSAGE_LIMIT:
+            message = message[: _MESSAGE_LIMIT - 1] + "\u2026"
+        text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+    place: str | None = None
+    if isinstance(exc, SyntaxError) and exc.filename:
+        place = where(exc.filename, exc.lineno, None)
+    else:
+        last = None
+        tb = _user_frames(exc.__traceback__)
+        while tb is not None:
+            if is_user_file(tb.tb_frame.f_code.co_filename):
+                last = tb
+            tb = tb.tb_next
+        if last is not None:
+            code = last.tb_frame.f_code
+            place = where(code.co_filename, last.tb_lineno, code.co_name)
+    return f"{text} (at {place})" if place else text

@@ -1,0 +1,57 @@
+"""The readiness report as text: the verdict first, then one section per check."""
+
+from __future__ import annotations
+
+from .formats import TAGS
+from .report import Report
+
+__all__ = ["render_text"]
+
+
+def render_text(report: Report) -> str:
+    """The readiness report as text: the verdict first, then one section per check."""
+    failed = [c.title for c in report.checks if c.status == "fail"]
+    warned = [c.title for c in report.checks if c.status == "warn"]
+    passed = sum(c.status == "pass" for c in report.checks)
+    skipped = sum(c.status == "skip" for c in report.checks)
+    counts = []
+    if failed:
+        counts.append(f"{len(failed)} failed ({', '.join(failed)})")
+    if warned:
+        counts.append(
+            f"{len(warned)} warning{'s' if len(warned) > 1 else ''} ({', '.join(warned)})"
+        )
+    if passed:
+        counts.append(f"{passed} passed")
+    if skipped:
+        counts.append(f"{skipped} skipped")
+    verdict = ("READY" if report.ready else "NOT READY") + " - " + ", ".join(counts)
+    s = report.settings
+    options = (
+        f"backend={s.get('backend')} mode={s.get('mode') or 'default'} "
+        f"dynamic={s.get('dynamic')} fullgraph={s.get('fullgraph')} "
+        f"grad={'on' if s.get('grad') else 'off'} "
+        f"max_recompiles={report.thresholds.max_recompiles}"
+    )
+    if s.get("buckets"):
+        options += f" buckets={s.get('buckets')}"
+    out = [
+        f"safecompile doctor: {verdict}",
+        f"  target   {report.target} ({report.kind} {report.name})",
+        f"  options  {options}",
+        "",
+    ]
+    width = max(len(c.title) for c in report.checks) if report.checks else 0
+    for check in report.checks:
+        out.append(f"[{TAGS[check.status]}] {check.title.ljust(width)}  {check.summary}")
+        out += [f"       {line}" for line in check.lines]
+        if check.status != "skip":
+            out.append(f"       what to do: {check.advice}")
+        out.append("")
+    v = report.versions
+    out.append(
+        "versions: "
+        + ", ".join(f"{k} {v[k]}" for k in ("safecompile", "torch", "python") if k in v)
+        + f"; device {v.get('device', '?')}"
+    )
+    return "\n".join(out) + "\n"
