@@ -272,6 +272,16 @@ class Buckets:
 
     Every value is kept frozen and hashable (mappings become read-only copies):
     changing the dict you passed changes nothing, and equal policies hash equal.
+
+    :param dims: argument name to the dim (or dims, or ``{dim: axis}``) to pad.
+    :param sizes: the increasing lengths (``pow2(16, 2048)``), or one sequence per axis.
+    :param pad_value: what padding fills with: one number, or one per argument.
+    :param oversize: an input longer than the largest size runs eager (``"eager"``) or
+        compiles its own shape (``"compile"``).
+    :param outputs: which output dims are cut back to the original length; ``None``:
+        learned per bucket.
+    :param strategy: ``"pad"`` (static shapes), ``"dynamic"`` (bounded dynamic ranges),
+        or ``"auto"``: ``"pad"`` where CUDA graphs need it, ``"dynamic"`` otherwise.
     """
 
     dims: Mapping[str, DimSpec]
@@ -446,13 +456,15 @@ WarmupInputs = Sequence[tuple[Any, ...]] | Callable[[], Sequence[tuple[Any, ...]
 class Warmup:
     """Compile ahead of traffic on example inputs.
 
-    ``inputs`` is a sequence of argument tuples, or a callable returning one (called
-    when warmup runs, so large tensors need not live for the process's lifetime).
-    ``background=True`` compiles on a worker thread while eager serves. That thread runs
-    at a lower CPU priority, ``nice`` (0-19, default 19: the lowest), so live traffic keeps
-    the CPU first; ``nice=None`` or ``0`` leaves it at the caller's priority. On Linux it
-    applies to the worker thread only (and the compiler processes it starts); elsewhere it
-    is ignored (docs/speed.md, "Background warmup").
+    The ``background`` thread runs at a lower CPU priority, so live traffic keeps the CPU
+    first. On Linux ``nice`` applies to the worker thread only (and the compiler processes
+    it starts); elsewhere it is ignored (docs/speed.md, "Background warmup").
+
+    :param inputs: a sequence of argument tuples, or a callable returning one (called
+        when warmup runs, so large tensors need not live for the process's lifetime).
+    :param background: compile on a worker thread while eager serves.
+    :param nice: the worker's CPU priority, 0-19 (19: the lowest); ``None`` or ``0``
+        leaves it at the caller's.
     """
 
     inputs: WarmupInputs
@@ -503,10 +515,15 @@ class Shadow:
     """Compare compiled outputs with eager's on live traffic.
 
     The first ``canary`` compiled calls of each graph are compared, then one call in
-    ``every`` (0: none after the canary). ``mode="sync"`` compares before returning and
-    returns eager's result on a breach; ``"async"`` compares on a worker fed by a queue
-    of ``queue_size`` and never blocks the caller. ``rtol``/``atol`` of ``None`` mean
-    per-dtype defaults.
+    ``every``.
+
+    :param canary: calls of each new graph compared with eager before it counts as passed.
+    :param every: after the canary, one call in ``every`` is compared (0: none).
+    :param mode: ``"sync"`` compares before returning and returns eager's result on a
+        breach; ``"async"`` compares on a worker and never blocks the caller.
+    :param rtol: relative tolerance; ``None``: the per-dtype default (docs/tolerances.md).
+    :param atol: absolute tolerance; ``None``: the per-dtype default.
+    :param queue_size: calls waiting for an ``"async"`` check at most (more are not checked).
     """
 
     canary: int = 8
@@ -554,6 +571,17 @@ class Rollback:
     With ``safe_compile(group=...)``, ranks agree on trips every ``sync_every`` calls
     (and at ``sync()``); a safe point waits at most ``sync_timeout`` seconds for its
     peers, at most a week (docs/fleet.md, "Ranks that agree").
+
+    :param max_recompiles: graphs at most; past it new shapes run eager
+        (``recompile_limit``); ``None``: 8, or one graph for every bucket.
+    :param slower_ratio: roll back a compiled path measured slower than eager by this
+        ratio (``slower``); ``None``: never.
+    :param slower_min_samples: timing pairs a speed verdict reads at least.
+    :param retry_after: seconds after a trip before the compiled path is tried again;
+        ``0``: the next call; ``None``: never, until ``reset()``.
+    :param max_retry_after: the longest wait between trials (each failed one doubles it).
+    :param sync_every: with ``group=``, calls between the ranks' safe points.
+    :param sync_timeout: seconds a safe point waits for its peers (at most a week).
     """
 
     max_recompiles: int | None = None

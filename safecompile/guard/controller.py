@@ -100,7 +100,11 @@ class _CompileOnFirstUse:
 
 
 class Controller:
-    """The ``.safecompile`` attribute of a guarded callable (see API.md §2)."""
+    """The ``.safecompile`` attribute of a guarded callable: its state, counters, events
+    and report, and the calls that warm it up, roll it back or reset it.
+
+    Made by :func:`~safecompile.safe_compile`, never by hand.
+    """
 
     def __init__(
         self,
@@ -115,6 +119,7 @@ class Controller:
         warm_call: WarmCall,
     ) -> None:
         self.name = name
+        """The stable name: what the kill switch, telemetry and persisted verdicts use."""
         self._fn = fn
         self._module = module
         self._opts = opts  # resolved by the decorator

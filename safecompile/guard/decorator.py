@@ -125,19 +125,31 @@ def safe_compile(
 
     Forms: ``@safe_compile``, ``@safe_compile(...)``, ``safe_compile(fn, ...)`` and
     ``safe_compile(module, ...)`` (the module is guarded in place and returned). A
-    ``functools.partial`` or a callable object is guarded like a function.
+    ``functools.partial`` or a callable object is guarded like a function. Bad options
+    raise :class:`ConfigError` now, not on the first call.
 
-    ``backend``, ``mode``, ``options``, ``dynamic`` and ``fullgraph`` go to
-    ``torch.compile`` unchanged. ``name`` is the stable name (kill switch, telemetry,
-    persisted verdicts). ``buckets`` pads variable dims to bounded sizes; ``warmup``
-    compiles before traffic; ``shadow`` compares compiled outputs with eager (``None``:
-    off); ``rollback`` says when to leave the compiled path and when to retry;
-    ``rollout`` routes that share of calls to the compiled path; ``group`` (a
-    ``torch.distributed`` ProcessGroup, or ``True`` for the default group, resolved at
-    the first safe point) makes every rank switch together (docs/fleet.md);
-    ``tracer_provider`` / ``meter_provider`` default to OpenTelemetry's globals;
-    ``clock`` (monotonic seconds) is injected by tests. Bad options raise
-    :class:`ConfigError` now, not on the first call.
+    :param fn: the function, method or ``nn.Module`` to guard; omitted in the
+        ``@safe_compile(...)`` form.
+    :param backend: ``torch.compile``'s backend: a name or a callable, unchanged.
+    :param mode: ``torch.compile``'s mode (``"reduce-overhead"``, ``"max-autotune"``...).
+    :param options: ``torch.compile``'s backend options, unchanged.
+    :param dynamic: ``torch.compile``'s ``dynamic``, unchanged.
+    :param fullgraph: ``torch.compile``'s ``fullgraph``: a graph break is a compile failure.
+    :param name: the stable name the kill switch, telemetry and persisted verdicts use;
+        default ``module.qualname`` of the function (of the class, plus ``.forward``).
+    :param buckets: pad variable dims to a bounded set of sizes (:class:`Buckets`);
+        ``None``: no padding.
+    :param warmup: compile ahead of traffic (:class:`Warmup`); ``None``: on the first call.
+    :param shadow: compare compiled outputs with eager's (:class:`Shadow`); ``None``: off.
+    :param rollback: when to leave the compiled path and when to retry (:class:`Rollback`).
+    :param rollout: the share of calls sent to the compiled path (0 to 1; the rest run eager).
+    :param group: a ``torch.distributed`` ProcessGroup, or ``True`` for the default
+        group (resolved at the first safe point): every rank switches together
+        (docs/fleet.md).
+    :param tracer_provider: OpenTelemetry tracer provider; ``None``: the global one.
+    :param meter_provider: OpenTelemetry meter provider; ``None``: the global one.
+    :param clock: monotonic seconds, injected by tests (``safecompile.testing.FakeClock``).
+    :returns: the guarded callable (for a module: the same module, guarded in place).
     """
     given = locals()  # first: exactly the parameters, one per field of Options
     Options.refuse_unknown(unknown)
