@@ -4,22 +4,28 @@ Needs the ``examples`` extra (FastAPI, uvicorn, the OpenTelemetry SDK and its Pr
 exporter)::
 
     pip install -e '.[examples]'
-    python examples/serving.py                      # http://127.0.0.1:8000, inductor
+    python examples/serving.py                      # http://127.0.0.1:8081, inductor
     python examples/serving.py --backend aot_eager  # quick compiles, no C++ compiler
 
-(``--backend`` defaults to ``$SAFECOMPILE_EXAMPLE_BACKEND`` when set, else ``inductor``.)
-Then, from another terminal::
+The backend is ``inductor`` (what you would serve with; the warmup's cold compiles take
+a minute or two on a CPU while eager answers) unless ``--backend`` (or
+``$SAFECOMPILE_EXAMPLE_BACKEND``) names another. The port is 8081 (``--port``), clear of
+``mkdocs serve``'s 8000. ``_common.py`` and ``_metrics.py`` beside this file hold what the
+examples share. Then, from another terminal::
 
-    curl -s localhost:8000/score --json '{"tokens": [5, 17, 42]}'  # one score per token
-    curl -s localhost:8000/status                                # warm yet? the report
-    curl -s localhost:8000/fault --json '{"kind": "error"}'      # compiled code now fails
-    curl -s localhost:8000/score --json '{"tokens": [5, 17, 42]}'  # same scores, by eager
-    curl -s localhost:8000/status | grep -o '"state":"[a-z_]*"'  # "rolled_back"
-    curl -s localhost:8000/killswitch --json '{"on": true}'      # state "disabled"
-    curl -s localhost:8000/metrics | grep '^safecompile_'        # the Prometheus scrape
-    curl -s -X POST localhost:8000/reset                         # no fault, compile again
+    curl -s localhost:8081/                                      # the endpoints
+    curl -s localhost:8081/score --json '{"tokens": [5, 17, 42]}'  # one score per token
+    curl -s localhost:8081/status                                # warm yet? the report
+    curl -s localhost:8081/fault --json '{"kind": "error"}'      # compiled code now fails
+    curl -s localhost:8081/score --json '{"tokens": [5, 17, 42]}'  # same scores, by eager
+    curl -s localhost:8081/status | grep '"state"'               # "rolled_back"
+    curl -s localhost:8081/killswitch --json '{"on": true}'      # state "disabled"
+    curl -s localhost:8081/metrics | grep '^safecompile_'        # the Prometheus scrape
+    curl -s -X POST localhost:8081/reset                         # no fault, compile again
 
 (``--json`` needs curl 7.82 or later; else ``-H 'content-type: application/json' -d``.)
+FastAPI's interactive page for every endpoint is ``/docs`` (it loads Swagger UI from
+a CDN, so it needs a network).
 
 The model tags each token of a request with a score. Requests of any length up to 128
 tokens are padded to the next power of two (``Buckets``), so at most 5 graphs are ever
@@ -40,6 +46,7 @@ turn off); ``GET /metrics`` is the Prometheus scrape.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import threading
 from collections.abc import Callable
@@ -54,6 +61,7 @@ with needs_extra("examples"):
     import uvicorn
     from _metrics import exposition, prometheus_meter_provider
     from fastapi import FastAPI, Response
+    from fastapi.routing import APIRoute
     from pydantic import BaseModel, Field
 
 import safecompile
@@ -62,6 +70,21 @@ from safecompile import Buckets, Rollback, Shadow, Warmup, pow2, safe_compile
 NAME = "serving.tagger"
 VOCAB = 1000
 MAX_TOKENS = 128  # the largest bucket; longer requests run eager
+PORT = 8081  # mkdocs serve takes 8000
+
+# What /status's sections mean: the controller's report, read by a person.
+LEGEND = {
+    "warm": "whether the start-up warmup has finished (until then eager answers every call)",
+    "state": "pending | warming | canary | compiled | rolled_back | disabled",
+    "stats": "call counters since start (or /reset): compiled_calls + eager_calls == calls",
+    "graphs": "one per graph torch compiled: its input shapes, calls, checks, canary left",
+    "buckets": (
+        "one per bucket size and request length seen: '16 (length 12) [mask=1x16:bool, "
+        "tokens=1x16:int64]' is a 12-token request padded to the 16-token bucket, and the "
+        "padded shapes its graph runs on; status ready = served compiled"
+    ),
+    "events": "what happened, newest last: compiles, checks that failed, rollbacks",
+}
 
 
 class Tagger(nn.Module):
@@ -171,11 +194,23 @@ def create_app(backend: str = "inductor") -> FastAPI:
             scores = model(*encode(request.tokens))
         return {"scores": scores[0].tolist(), "state": controller.state.value}
 
+    @app.get("/")
+    def index() -> Response:
+        """This list of endpoints."""
+        return pretty(
+            {
+                "service": f"{NAME}: scores each token of a request (safecompile example)",
+                "endpoints": endpoints(app),
+                "docs": "/docs (every endpoint, to try from a browser)",
+            }
+        )
+
     @app.get("/status")
-    def status() -> dict[str, Any]:
-        """The controller's report (state, stats, graphs, buckets, events), and ``warm``:
-        whether the start-up warmup has finished (until then, eager answers every call)."""
-        return {"warm": controller.wait_warm(timeout=0), **controller.report()}
+    def status() -> Response:
+        """Warm yet, the state, counters, graphs, buckets and events (with a legend)."""
+        return pretty(
+            {"legend": LEGEND, "warm": controller.wait_warm(timeout=0), **controller.report()}
+        )
 
     @app.post("/fault")
     def fault(request: FaultRequest) -> dict[str, Any]:
@@ -213,10 +248,25 @@ def create_app(backend: str = "inductor") -> FastAPI:
     return app
 
 
+def pretty(body: dict[str, Any]) -> Response:
+    """JSON indented for a person reading it with curl."""
+    return Response(json.dumps(body, indent=2) + "\n", media_type="application/json")
+
+
+def endpoints(app: FastAPI) -> dict[str, str]:
+    """``"POST /score": "the first line of its docstring"`` for each endpoint."""
+    return {
+        f"{method} {route.path}": (route.endpoint.__doc__ or "").strip().splitlines()[0]
+        for route in app.routes
+        if isinstance(route, APIRoute)
+        for method in sorted(route.methods)
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--port", type=int, default=PORT, help=f"port (default {PORT})")
     add_backend_option(parser, "inductor")
     args = parser.parse_args(argv)
 

@@ -266,3 +266,41 @@ def test_metrics_scrape(
     assert metric("safecompile_rollbacks_total", reason="runtime_error") == rollbacks + 1
     assert metric("safecompile_compile_duration_seconds_count") == compiles + 1
     assert metric("safecompile_shadow_checks_total", result="pass") > 0
+
+
+def test_index_lists_the_endpoints(server: httpx.Client, serving: ModuleType) -> None:
+    """``GET /`` lists every endpoint with what it does, and points at ``/docs``; the
+    default port is clear of ``mkdocs serve``'s 8000."""
+    response = server.get("/")
+
+    assert response.status_code == 200
+    body = response.json()
+    assert set(body["endpoints"]) == {
+        "GET /",
+        "POST /score",
+        "GET /status",
+        "POST /fault",
+        "POST /killswitch",
+        "POST /reset",
+        "GET /metrics",
+    }
+    assert all(body["endpoints"].values())  # each with its docstring's first line
+    assert body["docs"].startswith("/docs")
+    assert server.get("/docs").status_code == 200
+    assert serving.PORT == 8081
+
+
+def test_status_reads_as_indented_json_with_a_legend(
+    client: httpx.Client, eager: Callable[[list[int]], torch.Tensor]
+) -> None:
+    """``GET /status`` is indented JSON, and its legend explains each section, the bucket
+    keys included."""
+    compile_one(client, eager)
+    response = client.get("/status")
+
+    assert response.headers["content-type"] == "application/json"
+    assert response.text.startswith('{\n  "legend": {\n')
+    body = response.json()
+    assert set(body["legend"]) <= set(body)
+    assert "padded to the 16-token bucket" in body["legend"]["buckets"]
+    assert any(key.startswith("8 (length 5) [") for key in body["buckets"]), body["buckets"]
