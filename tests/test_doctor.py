@@ -582,3 +582,41 @@ def test_debug_backends() -> None:
     assert is_debug_backend("eager")
     assert is_debug_backend("aot_eager_decomp_partition")
     assert not is_debug_backend("inductor")
+
+
+@pytest.mark.parametrize(
+    ("ratio", "spread"),
+    [(0.83, 2.12), (0.89, 18.15), (1.05, 0.6), (1.5, 0.6)],
+)
+def test_speed_is_inconclusive_when_the_spread_is_too_wide(ratio: float, spread: float) -> None:
+    """Timings whose middle half reaches both sides of 1.0 (or of the limit) neither pass
+    nor fail: WARN "inconclusive", with the spread and the remedy (the 0.83x and 0.89x
+    passes seen on a busy machine)."""
+    speed = {c.name: c for c in judge(_report(timing=(_timing(ratio, spread=spread),)))}["speed"]
+    assert speed.status == "warn"
+    assert speed.summary.startswith("inconclusive: ")
+    assert f"spread {spread:.0%}" in speed.summary
+    assert "--repeat" in speed.advice
+    assert "idle machine" in speed.advice
+
+
+@pytest.mark.parametrize(
+    ("ratio", "spread", "status"),
+    [(0.5, 0.3, "pass"), (3.0, 0.3, "fail"), (0.83, 0.2, "pass")],
+)
+def test_a_noisy_timing_that_still_decides_is_judged(
+    ratio: float, spread: float, status: str
+) -> None:
+    """Noise that cannot change the answer (0.5x with its middle half all below 1.0, 3x
+    all above the limit) does not make the check inconclusive."""
+    speed = {c.name: c for c in judge(_report(timing=(_timing(ratio, spread=spread),)))}["speed"]
+    assert speed.status == status
+    assert not speed.summary.startswith("inconclusive")
+
+
+def test_measured_timings_record_the_middle_half() -> None:
+    """The doctor keeps the pairs' first and third quartiles, and the judge reads them."""
+    timing = dataclasses.replace(_timing(0.9, spread=0.5), ratio_low=0.7, ratio_high=1.2)
+    assert timing.middle_half() == (0.7, 1.2)
+    speed = {c.name: c for c in judge(_report(timing=(timing,)))}["speed"]
+    assert "spans 0.70x to 1.20x" in speed.summary

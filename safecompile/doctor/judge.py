@@ -263,13 +263,9 @@ def _speed_verdict(timed: list[Timing], limit: float, backend: str) -> tuple[Sta
             f"backend {backend} does not optimise, so this is overhead only",
             "judge speed with the backend you will serve with (default inductor)",
         )
-    if ratio > limit and any(t.noisy for t in timed):
-        return (
-            "warn",
-            f"could not judge: compiled took {ratio:.2f}x eager's time on "
-            f"{worst.label}, but the timings were noisy (the machine was busy)",
-            "rerun on an idle machine, or with more --repeat",
-        )
+    undecided = [t for t in timed if _undecided(t, limit)]
+    if undecided:
+        return _inconclusive(max(undecided, key=lambda t: t.spread or 0.0))
     if ratio > limit:
         return (
             "fail",
@@ -291,6 +287,28 @@ def _speed_verdict(timed: list[Timing], limit: float, backend: str) -> tuple[Sta
         "pass",
         f"compiled takes {spread} eager's time ({samples})",
         "set Rollback(slower_ratio=1.1) to fall back if traffic shapes behave worse",
+    )
+
+
+def _undecided(timing: Timing, limit: float) -> bool:
+    """Noisy, and the middle half of its pairs' ratios reaches both sides of 1.0 or of
+    the limit: the timing cannot say faster, slower or too slow."""
+    middle = timing.middle_half()
+    if not timing.noisy or middle is None:
+        return False
+    low, high = middle
+    return low <= 1.0 <= high or low <= limit <= high
+
+
+def _inconclusive(t: Timing) -> tuple[Status, str, str]:
+    low, high = t.middle_half() or (0.0, 0.0)
+    return (
+        "warn",
+        f"inconclusive: compiled took {t.ratio or 0.0:.2f}x eager's time on {t.label}, but "
+        f"the timings were noisy: the middle half of the pairs spans {low:.2f}x to "
+        f"{high:.2f}x (spread {t.spread or 0.0:.0%}), too wide to say faster or slower",
+        "rerun on an idle machine with more samples (--repeat 100), the process pinned to "
+        "cores nothing else uses (taskset -c 2,3 python -m safecompile doctor ...)",
     )
 
 

@@ -493,7 +493,7 @@ class _Session:
         # the machine's load changes during the run; their spread says how much it did.
         ratios = [c / e for c, e in zip(c_times, e_times, strict=True) if e > 0]
         ratio = statistics.median(ratios) if ratios else None
-        spread = None
+        spread = q1 = q3 = None
         if ratio and len(ratios) >= 4:
             q1, _, q3 = statistics.quantiles(ratios, n=4)
             spread = (q3 - q1) / ratio
@@ -508,6 +508,8 @@ class _Session:
             note=None if served == calls else f"{calls - served} of {calls} calls ran eager",
             eager_p99_s=_p99(e_times),
             compiled_p99_s=_p99(c_times),
+            ratio_low=q1,
+            ratio_high=q3,
         )
 
     def _clock(self, fn: Callable[[], Any], n: int) -> float:

@@ -163,11 +163,23 @@ class Timing:
     note: str | None = None
     eager_p99_s: float | None = None  # 99th percentile of eager's samples
     compiled_p99_s: float | None = None
+    ratio_low: float | None = None  # the middle half of the pairs' ratios: first quartile
+    ratio_high: float | None = None  # and third
 
     @property
     def noisy(self) -> bool:
         """The machine was too busy for the ratio to mean much (``spread`` over 0.25)."""
         return self.spread is not None and self.spread > _NOISY_SPREAD
+
+    def middle_half(self) -> tuple[float, float] | None:
+        """The first and third quartiles of the pairs' ratios (from ``ratio`` and
+        ``spread`` when a report did not record them); ``None`` if unknown."""
+        if self.ratio_low is not None and self.ratio_high is not None:
+            return self.ratio_low, self.ratio_high
+        if self.ratio is None or self.spread is None:
+            return None
+        half = self.ratio * self.spread / 2
+        return self.ratio - half, self.ratio + half
 
 
 @dataclass(frozen=True, kw_only=True)
