@@ -376,6 +376,30 @@ def test_factory_error_names_the_line(capsys: pytest.CaptureFixture[str]) -> Non
     assert full.endswith(brief)
 
 
+def test_a_factory_that_raises_inside_torch_names_its_own_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The error is located at the factory's call (``factory.py:3``), not in torch's
+    ``serialization.py`` where it was raised; --traceback starts at the user's frame."""
+    factory = tmp_path / "factory.py"
+    factory.write_text(
+        "import torch\ndef factory():\n    return torch.load('/no/such/model.pt')\n",
+        encoding="utf-8",
+    )
+
+    code = main(["doctor", f"{factory}:factory"])
+    brief = capsys.readouterr().err
+    main(["doctor", f"{factory}:factory", "--traceback"])
+    full = capsys.readouterr().err
+
+    assert code == 2
+    assert "factory() raised FileNotFoundError" in brief
+    assert "factory.py:3 in factory)" in brief
+    assert "serialization.py" not in brief
+    assert 'factory.py", line 3, in factory' in full
+    assert "safecompile" + os.sep + "doctor" not in full
+
+
 @pytest.mark.parametrize(
     "argv",
     [
