@@ -15,6 +15,7 @@ import subprocess
 import sys
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -395,3 +396,88 @@ def test_without_matplotlib(tmp_path: Path) -> None:
     assert "text: exit 0" in err
     assert "matplotlib imported: False" in err
     assert done.stdout.startswith("safecompile doctor: READY")
+
+
+# ---------------------------------------------------------------------------- the plots
+
+
+def _mixed_latency_report() -> Report:
+    """Two shapes whose latencies differ by ~65x, plus compiles and a sweep."""
+    calls = tuple(
+        Call(
+            label=f"float32[{n}, 64]",
+            role="example" if n < 64 else "sweep",
+            path="compiled",
+            seconds=1.0 + n / 100,
+            graphs=1,
+            backend_s=0.8,
+            graph_s=(0.8,),
+        )
+        for n in (1, 8, 64, 512)
+    )
+    timing = tuple(
+        Timing(
+            label=label,
+            eager_s=eager,
+            compiled_s=eager * 0.9,
+            ratio=0.9,
+            samples=20,
+            calls_per_sample=5,
+            spread=0.05,
+            eager_p99_s=eager * 1.2,
+            compiled_p99_s=eager * 1.1,
+        )
+        for label, eager in (("float32[1, 64]", 1.5e-3), ("float32[512, 64]", 99e-3))
+    )
+    report = Report(
+        target="t:f",
+        name="m.f",
+        kind="function",
+        settings={"backend": "inductor", "dynamic": "auto"},
+        thresholds=Thresholds(),
+        versions={"torch": "2.13", "python": "3.11", "safecompile": "0", "device": "cpu"},
+        quick=False,
+        examples=calls[:2],
+        sweep=calls[2:],
+        sweep_plan="leading (batch) dim 8 -> 64, 512",
+        compiles=4,
+        graphs=4,
+        timing=timing,
+    )
+    return dataclasses.replace(report, checks=judge(report))
+
+
+def test_plots_show_small_and_large_latencies_and_legends_cover_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The latency axis is logarithmic (a 1.5 ms bar stands tall beside a 99 ms one), and
+    no plot's legend overlaps its axes (so it covers no bar, whisker or point)."""
+    from safecompile.doctor import html as page
+
+    figures: list[Any] = []
+    real_png = page._png
+
+    def keep(fig: Any, alt: str) -> str:
+        figures.append(fig)
+        return real_png(fig, alt)
+
+    monkeypatch.setattr(page, "_png", keep)
+    render_html(_mixed_latency_report())
+    assert len(figures) == 3  # latency, compile time, recompiles
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    for fig in figures:
+        FigureCanvasAgg(fig).draw()
+        renderer = fig.canvas.get_renderer()
+        (ax,) = fig.axes
+        legends = fig.legends + ([ax.get_legend()] if ax.get_legend() else [])
+        assert legends, "every plot has a legend"
+        for legend in legends:
+            assert not legend.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))
+    latency = figures[0].axes[0]
+    assert latency.get_yscale() == "log"
+    heights = sorted(
+        p.get_window_extent(renderer=figures[0].canvas.get_renderer()).height
+        for p in latency.patches
+    )
+    assert heights[0] >= 0.25 * heights[-1], heights  # linear: 1.5/99 of it, invisible

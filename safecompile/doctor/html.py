@@ -15,8 +15,9 @@ from __future__ import annotations
 import base64
 import html
 import io
+import math
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .formats import TAGS, graphs, secs, where
 from .report import Check, Report
@@ -113,7 +114,8 @@ def _latency(r: Report, figure: type[Figure]) -> str:
         '<section id="latency">\n<h2>Latency per example shape</h2>\n'
         "<p>Per-call time of each example, eager and compiled (through the guard), measured in "
         "interleaved samples; p50 is the median sample, p99 the 99th percentile (each sample "
-        "averages several calls, so p99 is of those averages, not of single calls).</p>\n"
+        "averages several calls, so p99 is of those averages, not of single calls). The time "
+        "axis is logarithmic, so a 1 ms shape shows beside a 100 ms one.</p>\n"
     )
     if not r.timing:
         why = "skipped (--quick)" if r.quick else "not measured: a compile failed"
@@ -131,7 +133,7 @@ def _latency(r: Report, figure: type[Figure]) -> str:
         width = 0.38
         for k, (path, values) in enumerate(series.items()):
             xs = [i + (k - 0.5) * width for i in range(len(labels))]
-            p50 = [scale * v[0] if v[0] is not None else 0.0 for v in values]
+            p50 = [scale * v[0] if v[0] is not None else math.nan for v in values]
             p99 = [
                 scale * v[1] if v[1] is not None else p for v, p in zip(values, p50, strict=True)
             ]
@@ -140,8 +142,9 @@ def _latency(r: Report, figure: type[Figure]) -> str:
             ax.vlines(xs, p50, p99, color="black", linewidth=1)
         ax.scatter([], [], marker="_", color="black", label="p99")
         ax.set_xticks(range(len(labels)), [_cut(x) for x in labels], rotation=15, ha="right")
-        ax.set_ylabel(f"{unit} per call")
-        ax.legend(loc="upper left", fontsize="small")
+        ax.set_yscale("log")  # 1.5 ms and 99 ms bars both show
+        ax.set_ylabel(f"{unit} per call (log scale)")
+        _legend_below(ax)
 
     image = _plot(figure, draw, (7.0, 3.4), "Latency per example: eager and compiled, p50 and p99")
     rows = "".join(
@@ -194,7 +197,7 @@ def _compile_times(r: Report, figure: type[Figure]) -> str:
                 if any(c.role == role for _, c in drawn)
             ]
             handles.append(Patch(color=_COLORS["eager"], alpha=0.45, label="the rest"))
-            ax.legend(handles=handles, loc="lower right", fontsize="small")
+            _legend_below(ax, handles=handles)
 
         height = 1.4 + 0.32 * len(drawn)
         image = _plot(figure, draw, (7.0, height), "Compile time of each graph, per first call")
@@ -239,7 +242,7 @@ def _recompiles(r: Report, figure: type[Figure]) -> str:
         for path, color in _PATH_COLORS.items():
             if any(c.path == path for _, c in calls):
                 ax.scatter([], [], color=color, label=f"served {path}")
-        ax.legend(loc="lower right", fontsize="small")
+        _legend_below(ax)
 
     image = _plot(figure, draw, (7.0, 3.2), "Graphs compiled over the shape sweep")
     stopped = f"<p>{_e(r.sweep_stopped)}</p>" if r.sweep_stopped else ""
@@ -290,10 +293,30 @@ def _plot(
     with rc_context({"text.parse_math": False, "font.size": 9}):  # "$" in a label is text
         fig = figure(figsize=size, dpi=100, layout="constrained")
         draw(fig.subplots())
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png")
+        return _png(fig, alt)
+
+
+def _png(fig: Figure, alt: str) -> str:
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
     data = base64.b64encode(buffer.getvalue()).decode("ascii")
     return f'<img alt="{_e(alt)}" src="data:image/png;base64,{data}">\n'
+
+
+def _legend_below(ax: Axes, **options: Any) -> None:
+    """The legend under the plot, outside the axes: it covers no bar, whisker or point."""
+    handles, labels = ax.get_legend_handles_labels()
+    if "handles" in options:
+        handles = options.pop("handles")
+        labels = [h.get_label() for h in handles]
+    ax.figure.legend(
+        handles,
+        labels,
+        loc="outside lower center",
+        ncols=min(len(handles), 4) or 1,
+        fontsize="small",
+        frameon=False,
+    )
 
 
 def _running_total(values: Iterable[int]) -> Iterable[int]:
