@@ -11,6 +11,13 @@ it was, runs eager once, and compares the two updates as it compares outputs.
 Tensor values are copied only for graphs seen to update tensors in place (learnt on
 their first checked run, whose check is skipped); otherwise a snapshot holds
 references and version counters only.
+
+Python objects the graph's frame updates, as dynamo's record of its side effects names
+them (a KV cache layer whose tensors it rebinds, a config attribute, a list argument:
+:func:`safecompile.guard.graphs.outside_effects`), are copied whole: their attributes or
+items, with tensors cloned (under CUDA graphs the tensors they held may live in a pool
+the compiled run overwrites). Eager reruns on the copy; if the check passes, the
+compiled run's state is put back, so the caller holds the state its outputs came with.
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["After", "Snapshot"]
+__all__ = ["After", "Snapshot", "contents_of"]
 
 _SKIP_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "training"})
 
@@ -44,6 +51,31 @@ class After:
     # (module, name, compiled's value, eager's value), for rebound buffers and attributes
     rebound: list[tuple[torch.nn.Module, str, torch.Tensor | None, torch.Tensor | None]]
     attrs: list[tuple[torch.nn.Module, str, Any, Any]]
+    # (the object, what the compiled run left in it, what eager left in it)
+    objects: list[tuple[_Object, Any, Any]] = field(default_factory=list)
+
+    def object_states(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What the compiled run and eager left in each Python object, by its name."""
+        compiled = {o.name: _comparable(c) for o, c, _ in self.objects}
+        eager = {o.name: _comparable(e) for o, _, e in self.objects}
+        return compiled, eager
+
+    def keep_compiled(self) -> None:
+        """The check passed: the caller keeps the compiled run's state, the one its
+        outputs came with (eager's was only for the comparison)."""
+        with torch.no_grad():
+            for t, compiled in self.tensors:
+                t.copy_(compiled)
+        for module, name, buffer, _ in self.rebound:
+            if buffer is None:
+                module._buffers.pop(name, None)
+            else:
+                module._buffers[name] = buffer
+        for module, name, value, _ in self.attrs:
+            if value is not None or hasattr(module, name):
+                object.__setattr__(module, name, value)
+        for o, compiled, _ in self.objects:
+            _put(o.obj, o.keys, compiled)
 
     def compiled_tensors(self) -> list[torch.Tensor | None]:
         return [v for _, v in self.tensors] + [c for _, _, c, _ in self.rebound]
@@ -70,6 +102,8 @@ class Snapshot:
 
     tensors: list[tuple[torch.Tensor, int, torch.Tensor | None]] = field(default_factory=list)
     modules: list[_ModuleState] = field(default_factory=list)
+    objects: list[_Object] = field(default_factory=list)
+    problem: str | None = None  # a named object that could not be found or copied
 
     @classmethod
     def take(
@@ -95,9 +129,28 @@ class Snapshot:
                 modules.append(_ModuleState(sub, dict(sub._buffers), _plain_attrs(sub)))
         return cls(tensors, modules)
 
+    def add_objects(self, found: list[tuple[str, Any, Keys]], lost: str | None = None) -> None:
+        """Before a graph runs: copy the Python objects its frame will update (see the
+        module doc); ``lost`` names one that could not be found."""
+        for name, obj, keys in found:
+            if any(o.obj is obj and o.keys == keys for o in self.objects):
+                continue  # an earlier graph of the call named it: its copy is older
+            try:
+                refs = contents_of(obj, keys)
+            except TypeError:
+                self.problem = self.problem or f"{name} ({type(obj).__name__})"
+                continue
+            self.objects.append(_Object(name, obj, keys, refs, _cloned(refs)))
+        if lost is not None:
+            self.problem = self.problem or lost
+
     def changed(self) -> bool:
         """Whether anything differs from when the snapshot was taken."""
-        return bool(self._in_place()) or any(_rebound(m) or _changed_attrs(m) for m in self.modules)
+        return (
+            bool(self._in_place())
+            or any(_rebound(m) or _changed_attrs(m) for m in self.modules)
+            or any(_differs(o.refs, contents_of(o.obj, o.keys)) for o in self.objects)
+        )
 
     def unrestorable(self) -> str | None:
         """Why the state cannot be put back (``None``: it can)."""
@@ -128,12 +181,17 @@ class Snapshot:
                 attrs.append((m.module, name, getattr(m.module, name, None), None))
                 if name in m.attrs:
                     object.__setattr__(m.module, name, m.attrs[name])
-        return After(tensors, rebound, attrs)
+        objects = []
+        for o in self.objects:  # every named object: eager may update what compiled did not
+            objects.append((o, contents_of(o.obj, o.keys), None))
+            _put(o.obj, o.keys, o.copies)
+        return After(tensors, rebound, attrs, objects)
 
     def settle(self, after: After) -> After:
         """After eager ran: fill in eager's side of every update, for the comparison."""
         after.rebound = [(m, n, c, m._buffers.get(n)) for m, n, c, _ in after.rebound]
         after.attrs = [(m, n, c, getattr(m, n, None)) for m, n, c, _ in after.attrs]
+        after.objects = [(o, c, contents_of(o.obj, o.keys)) for o, c, _ in after.objects]
         return after
 
     def _in_place(self) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
@@ -148,3 +206,106 @@ def _changed_attrs(m: _ModuleState) -> list[str]:
 def _rebound(m: _ModuleState) -> list[str]:
     now = m.module._buffers
     return [k for k in now.keys() | m.buffers.keys() if now.get(k) is not m.buffers.get(k)]
+
+
+# ---------------------------------------------------------------- Python objects
+
+ABSENT = "<absent>"  # an attribute, global or key the object did not have
+Keys = tuple[str, ...] | None
+
+
+@dataclass(slots=True)
+class _Object:
+    """A Python object the graph's frame updates, and what it held before the call."""
+
+    name: str  # dynamo's name for it
+    obj: Any
+    keys: Keys  # the attributes (or dict keys) its frame stores; None: all its items
+    refs: Any  # what it held (references): a dict of keys, or a list
+    copies: Any  # the same with tensors cloned: what eager reruns on
+
+
+def contents_of(obj: Any, keys: Keys) -> Any:
+    """What an object holds, as references: a list's items, a dict's (or those ``keys``
+    of it), a set, or the attributes ``keys`` (all of ``vars()`` when ``None``); raises
+    ``TypeError`` for an object none of these fit."""
+    if isinstance(obj, list):
+        return list(obj)
+    if isinstance(obj, set):
+        return set(obj)
+    if isinstance(obj, dict):
+        return dict(obj) if keys is None else {k: obj.get(k, ABSENT) for k in keys}
+    held = getattr(obj, "__dict__", None)
+    if keys is None:
+        if isinstance(held, dict):
+            return dict(held)
+        raise TypeError(f"{type(obj).__name__} has no attributes to copy")
+    if isinstance(held, dict):
+        return {k: held[k] if k in held else getattr(obj, k, ABSENT) for k in keys}
+    return {k: getattr(obj, k, ABSENT) for k in keys}
+
+
+def _put(obj: Any, keys: Keys, target: Any) -> None:
+    """Make the object hold ``target`` again (only what differs is written)."""
+    if isinstance(obj, list):
+        obj[:] = target
+        return
+    if isinstance(obj, set):
+        obj.clear()
+        obj.update(target)
+        return
+    now = contents_of(obj, keys)
+    held = obj if isinstance(obj, dict) else getattr(obj, "__dict__", None)
+    for k in now.keys() | target.keys():
+        value = target.get(k, ABSENT)
+        if now.get(k, ABSENT) is value:
+            continue
+        if isinstance(held, dict):
+            if value is ABSENT:
+                held.pop(k, None)
+            else:
+                held[k] = value
+        elif value is ABSENT:
+            object.__delattr__(obj, k)
+        else:
+            object.__setattr__(obj, k, value)
+
+
+def _cloned(contents: Any) -> Any:
+    def clone(v: Any) -> Any:
+        return v.detach().clone() if isinstance(v, torch.Tensor) else v
+
+    if isinstance(contents, list):
+        return [clone(v) for v in contents]
+    if isinstance(contents, set):
+        return set(contents)
+    return {k: clone(v) for k, v in contents.items()}
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether a store left a value as it was: the same object, or an equal plain value
+    (a config attribute set again to what it held is not an update)."""
+    if a is b:
+        return True
+    if type(a) is not type(b) or not isinstance(a, str | int | float | bool | bytes | tuple):
+        return False
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _differs(before: Any, now: Any) -> bool:
+    if isinstance(before, set):
+        return bool(before != now)
+    if isinstance(before, list):
+        return len(before) != len(now) or any(
+            not _same(a, b) for a, b in zip(before, now, strict=True)
+        )
+    return any(not _same(before.get(k, ABSENT), now.get(k, ABSENT)) for k in before.keys() | now)
+
+
+def _comparable(contents: Any) -> Any:
+    """Contents as :func:`~safecompile.checks.compare.compare` walks them (a set by
+    ``==``, as a frozenset)."""
+    return frozenset(contents) if isinstance(contents, set) else contents

@@ -44,7 +44,15 @@ from safecompile.shapes.table import BucketTable
 
 from .backend import compile_function
 from .compiles import CompileTracker, KnownFailures
-from .graphs import GraphHooks, GraphRecord, GraphTable, GuardBackend, time_tracing, trace_started
+from .graphs import (
+    GraphHooks,
+    GraphRecord,
+    GraphTable,
+    GuardBackend,
+    find_effects,
+    time_tracing,
+    trace_started,
+)
 from .shadow import ShadowRunner, Sink
 from .slots import Slots
 from .trips import TripHooks, Trips
@@ -397,8 +405,12 @@ class Controller:
         # while the kill switch is on (API.md §3), not at decoration.
         self._gate.compiled = _CompileOnFirstUse(self._gate, build)
 
-    def _snapshot(self, graph_args: tuple[Any, ...], copy: bool) -> Any:
-        return Snapshot.take(graph_args, self._module, copy=copy)
+    def _snapshot(self, graph_args: tuple[Any, ...], graph: GraphRecord) -> Any:
+        """State before the first graph of a checked call runs (on the calling thread)."""
+        snapshot = Snapshot.take(graph_args, self._module, copy=graph.mutates)
+        if graph.effects:
+            snapshot.add_objects(*find_effects(graph))
+        return snapshot
 
     def _update_gate(self) -> None:
         """Recompute the hot path's flag: open only when nothing needs the slow path."""

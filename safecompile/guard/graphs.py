@@ -16,6 +16,7 @@ import contextlib
 import inspect
 import itertools
 import re
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -27,7 +28,7 @@ from torch._dynamo.side_effects import (  # type: ignore[attr-defined]
     AttributeMutationNew,
     ValueMutationNew,
 )
-from torch._dynamo.source import LocalSource, TensorPropertySource
+from torch._dynamo.source import GlobalSource, LocalSource, TensorPropertySource
 from torch._dynamo.symbolic_convert import InstructionTranslator
 from torch._dynamo.variables.nn_module import NNModuleVariable, UnspecializedNNModuleVariable
 
@@ -40,15 +41,28 @@ from .slots import Slot
 
 __all__ = [
     "CallSlot",
+    "Effect",
     "GraphHooks",
     "GraphRecord",
     "GraphTable",
     "GuardBackend",
+    "find_effects",
     "mutates_in_place",
     "random_op",
     "time_tracing",
     "trace_started",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class Effect:
+    """A Python object the graph's frame updates, by dynamo's record of its side effects
+    (a KV cache layer, a config, a list argument): how to find it again at run time."""
+
+    name: str  # dynamo's name for it, e.g. ``L['kwargs']['cache'].layers[0]``
+    source: Any  # dynamo's ``Source``, read back against the running frame (``None``:
+    # the frame's globals dict itself, for a ``global`` statement's store)
+    keys: tuple[str, ...] | None  # the attributes (or globals) it stores; None: its items
 
 
 @dataclass(slots=True, eq=False)
@@ -69,6 +83,8 @@ class GraphRecord:
     unchecked: str | None = None  # why this graph is never checked (random numbers...)
     mutates: bool = False  # seen to update its inputs or module state in place
     prep: bool = False  # a later graph of its calls is due: snapshot state at this one
+    effects: tuple[Effect, ...] = ()  # Python objects its frame updates (snapshotted)
+    frame: tuple[str, str, int] | None = None  # its frame's code: name, file, first line
     speed_at: int = FOREVER  # from this call on, runs ask the speed verdict (_speed.py)
     speed: GraphSpeed | None = None
 
@@ -87,6 +103,7 @@ class GraphRecord:
             "graph_breaks": len(self.breaks),
             "unchecked": self.unchecked,
             "mutates_state": self.mutates,
+            "updates_objects": [e.name for e in self.effects],
             "speed": self.speed.to_dict() if self.speed is not None else None,
         }
 
@@ -187,7 +204,7 @@ class GraphHooks:
         on_compile_start: Callable[[], object],
         on_compile_end: Callable[[], None],
         on_graph: Callable[[GraphRecord, torch.fx.GraphModule], None],
-        snapshot: Callable[[tuple[Any, ...], bool], Any],
+        snapshot: Callable[[tuple[Any, ...], GraphRecord], Any],
         bucket_label: Callable[[], str | None],
         clock: Callable[[], float],
         on_speed: Callable[[GraphRecord, Decision], None] | None = None,
@@ -240,16 +257,16 @@ class GuardBackend:
             else:
                 inner = gm.forward  # past the recompile limit: the traced graph, eagerly
             random = random_op(gm)
-            outside = outside_effects()
+            effects, lost = outside_effects()
             unchecked = None
             if random is not None:
                 unchecked = (
                     f"the graph draws random numbers ({random}): compiled and eager streams differ"
                 )
-            elif outside is not None:
+            elif lost is not None:
                 unchecked = (
-                    f"the call updates a Python object it was given ({outside}): eager "
-                    "cannot rerun it without applying the update twice"
+                    f"the call updates a Python object that cannot be found again to copy "
+                    f"({lost}): eager cannot rerun it without applying the update twice"
                 )
             record = hooks.table.add(
                 label=describe_inputs(gm),
@@ -261,6 +278,8 @@ class GuardBackend:
             record.compile_s = time.perf_counter() - started
             record.breaks = graph_breaks_of(gm, include_resumed=True)
             record.mutates = mutates_in_place(gm)
+            record.effects = effects
+            record.frame = _frame_key()
             # The graph's traced code, run eagerly: the eager arm of the speed verdict.
             eager = _EagerArm(gm.forward, example_inputs)
             self._made[twin] = (record, inner, eager)
@@ -322,10 +341,12 @@ def _instrument(
         if slot.first is None:
             slot.first = record
             if due or record.prep:
-                slot.snapshot = snapshot(args, record.mutates)
+                slot.snapshot = snapshot(args, record)
                 slot.started = clock()
             else:
                 slot.snapshot = None
+        elif record.effects and slot.snapshot is not None:
+            slot.snapshot.add_objects(*find_effects(record))  # a later graph's objects
         if due:
             if slot.due is None:
                 slot.due = [record]
@@ -385,36 +406,116 @@ def time_tracing() -> None:
 _MODULE_STATE = ("_buffers", "_parameters", "_modules")
 
 
-def outside_effects() -> str | None:
-    """An object the caller passed in that the frame being compiled updates (a cache
-    object, a list or dict argument), by dynamo's account of its side effects, or
-    ``None``. Module buffers and attributes are not counted (a check puts those back
-    itself: :mod:`safecompile.checks.snapshot`), nor is the frame's own ``**kwargs`` dict."""
+def outside_effects() -> tuple[tuple[Effect, ...], str | None]:
+    """The Python objects the frame being compiled updates, by dynamo's account of its
+    side effects: objects it was given or reached (a KV cache layer, a config, a list
+    argument, a global's attribute), as :class:`Effect` to find again at run time, and
+    the name of one that has no source to find it by (``None``: every one has).
+
+    Left out: objects the frame creates, module buffers and attributes (a check puts
+    those back itself: :mod:`safecompile.checks.snapshot`), and the frame's own
+    ``*args`` / ``**kwargs`` containers (new on every call)."""
     try:
         tx = InstructionTranslator.current_tx()
         code = tx.f_code
         packed = set(code.co_varnames[code.co_argcount + code.co_kwonlyargcount :][:2])
-        for var in tx.output.side_effects._get_modified_vars():
+        found: list[Effect] = []
+        side_effects = tx.output.side_effects
+        for var in side_effects._get_modified_vars():
             if isinstance(var.mutation_type, AttributeMutationNew | ValueMutationNew):
                 continue
             if isinstance(var, NNModuleVariable | UnspecializedNNModuleVariable):
                 continue
             source: Any = var.source
+            if source is None:
+                return tuple(found), type(var).__name__
             base = source
             while getattr(base, "base", None) is not None:
                 base = base.base
-            if not isinstance(base, LocalSource) or not base.is_input:
-                continue  # a global or a closure: not the caller's argument
-            if source is base and base.local_name in packed:
+            if source is base and isinstance(base, LocalSource) and base.local_name in packed:
                 continue  # the frame's own *args / **kwargs container
-            name = getattr(source, "name", "")
-            name = str(name() if callable(name) else name)
+            name = _source_name(source)
             if any(part in name for part in _MODULE_STATE):
                 continue
-            return name
+            if not isinstance(base, LocalSource | GlobalSource):
+                return tuple(found), name
+            stores = side_effects.store_attr_mutations.get(var)
+            keys = tuple(str(k) for k in stores) if stores else None
+            if type(var).__name__ == "NewGlobalVariable":  # `global x; x = ...`
+                found.append(Effect(name, None, keys))
+            else:
+                found.append(Effect(name, source, keys))
+    except Exception:
+        return (), None
+    return tuple(found), None
+
+
+def _source_name(source: Any) -> str:
+    name = getattr(source, "name", "")
+    return str(name() if callable(name) else name)
+
+
+_FRAME_DEPTH = 32  # how far up from a graph's wrapper its frame may be
+
+
+def _frame_key() -> tuple[str, str, int] | None:
+    """The code object dynamo is compiling, as its running frame will show it."""
+    try:
+        code = InstructionTranslator.current_tx().f_code
+        return (code.co_name, code.co_filename, code.co_firstlineno)
     except Exception:
         return None
-    return None
+
+
+def find_effects(
+    record: GraphRecord,
+) -> tuple[list[tuple[str, object, tuple[str, ...] | None]], str | None]:
+    """At run time, just before the graph runs: the objects its frame will update, read
+    back from the running frame (dynamo's transformed code keeps the frame's locals and
+    globals). Also the name of the first one that could not be found (``None``: all)."""
+    key = record.frame
+    frame = sys._getframe(1)
+    for _ in range(_FRAME_DEPTH):
+        if frame is None or key is None:
+            break
+        code = frame.f_code
+        if (code.co_name, code.co_filename, code.co_firstlineno) == key:
+            break
+        frame = frame.f_back  # type: ignore[assignment]
+    else:
+        frame = None  # type: ignore[assignment]
+    if frame is None or key is None:
+        return [], f"the frame of {record.code} (not found on the stack)"
+    scope: dict[str, Any] = {"L": frame.f_locals, "G": frame.f_globals}
+    names = _closure_names()
+    cache: dict[Any, Any] = {}
+    found: list[tuple[str, object, tuple[str, ...] | None]] = []
+    for effect in record.effects:
+        try:
+            if effect.source is None:
+                found.append((effect.name, frame.f_globals, effect.keys))
+            else:
+                value = effect.source.get_value(names, dict(scope), cache)
+                found.append((effect.name, value, effect.keys))
+        except Exception:
+            return found, effect.name
+    return found, None
+
+
+_CLOSURE_NAMES: dict[str, Any] | None = None
+
+
+def _closure_names() -> dict[str, Any]:
+    """The helpers dynamo's source names may call (``___odict_getitem``...)."""
+    global _CLOSURE_NAMES
+    if _CLOSURE_NAMES is None:
+        try:
+            from torch._dynamo.guards import _get_closure_vars  # noqa: PLC0415
+
+            _CLOSURE_NAMES = dict(_get_closure_vars())
+        except Exception:  # pragma: no cover - another torch
+            _CLOSURE_NAMES = {}
+    return _CLOSURE_NAMES
 
 
 def _code_name() -> str:

@@ -134,7 +134,7 @@ class ShadowRunner:
         if self.policy is None or snapshot is None:
             return Outcome()
         changed = snapshot.changed()
-        if changed and not self._can_restore(table, due, snapshot):
+        if not self._checkable(table, due, snapshot, changed=changed):
             return Outcome()
         canary = any(g.canary_left > 0 for g in due)
         for g in due:
@@ -142,7 +142,7 @@ class ShadowRunner:
         if self.policy.mode == "async":
             self._submit(graph, args, kwargs, out, compiled_s, canary)
             return Outcome()
-        after = snapshot.swap_back() if changed else None
+        after = snapshot.swap_back() if changed or snapshot.objects else None
         started = self._clock()
         eager_out = self.fn(*args, **kwargs)
         sync_device(eager_out)
@@ -158,6 +158,8 @@ class ShadowRunner:
             return Outcome(eager_out=eager_out, graph=graph, use_eager=True)
         self._note(graph, result, compiled_s, eager_s, canary)
         if result.ok:
+            if after is not None:
+                after.keep_compiled()  # the state the compiled outputs came with
             return Outcome(max_abs=result.max_abs, max_rel=result.max_rel, graph=graph)
         return Outcome(
             breach=result.reason or "outputs differ",
@@ -166,6 +168,16 @@ class ShadowRunner:
             max_rel=result.max_rel,
             graph=graph,
         )
+
+    def _checkable(
+        self, table: GraphTable, due: list[GraphRecord], snapshot: Snapshot, *, changed: bool
+    ) -> bool:
+        """Whether this check can be made faithfully (if not, an event says why once)."""
+        if snapshot.problem is not None:
+            why = f"it updates a Python object that cannot be copied ({snapshot.problem})"
+            self._never(table, due, why)
+            return False
+        return not changed or self._can_restore(table, due, snapshot)
 
     def _can_restore(self, table: GraphTable, due: list[GraphRecord], snapshot: Snapshot) -> bool:
         """The call changed state: can a check put it back and rerun eager? If not, say
@@ -181,11 +193,16 @@ class ShadowRunner:
         if why is None and self.policy.mode == "sync":
             return True
         why = why or "it updates state, which an async check cannot isolate"
+        self._never(table, due, why)
+        return False
+
+    def _never(self, table: GraphTable, due: list[GraphRecord], why: str) -> None:
+        """The due graphs can never be checked faithfully: say why, once."""
+        assert self.policy is not None
         for g in due:
             table.never_check(g, why)
         hint = "" if self.policy.mode == "sync" else " (Shadow(mode='sync') can check it)"
-        self._skip(graph, f"{why}; this graph is not checked{hint}")
-        return False
+        self._skip(due[0], f"{why}; this graph is not checked{hint}")
 
     def note(self, graph: GraphRecord | None, bucket: str | None, result: Comparison) -> None:
         """Count a comparison the controller made itself (a bucket's padding check)."""
@@ -244,7 +261,19 @@ class ShadowRunner:
         differ = after.attrs_differ()
         if differ is not None:
             return Comparison(ok=False, max_abs=0.0, max_rel=float("inf"), reason=differ)
-        return result
+        compiled, eager = after.object_states()
+        if not compiled:
+            return result
+        objects = compare(compiled, eager, rtol=rtol, atol=atol)
+        return Comparison(
+            ok=objects.ok,
+            max_abs=max(result.max_abs, objects.max_abs),
+            max_rel=max(result.max_rel, objects.max_rel),
+            reason=None
+            if objects.ok
+            else f"the Python objects it updates differ: {objects.reason}",
+            leaves=result.leaves + objects.leaves,
+        )
 
     def _note(
         self,
