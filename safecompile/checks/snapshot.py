@@ -184,7 +184,7 @@ class Snapshot:
         objects = []
         for o in self.objects:  # every named object: eager may update what compiled did not
             objects.append((o, contents_of(o.obj, o.keys), None))
-            _put(o.obj, o.keys, o.copies)
+            _put(o.obj, o.keys, o.copies, unless=o.refs)
         return After(tensors, rebound, attrs, objects)
 
     def settle(self, after: After) -> After:
@@ -245,20 +245,26 @@ def contents_of(obj: Any, keys: Keys) -> Any:
     return {k: getattr(obj, k, ABSENT) for k in keys}
 
 
-def _put(obj: Any, keys: Keys, target: Any) -> None:
-    """Make the object hold ``target`` again (only what differs is written)."""
+def _put(obj: Any, keys: Keys, target: Any, *, unless: Any = None) -> None:
+    """Make the object hold ``target`` again (only what differs is written). With
+    ``unless`` (what it held before), an entry still holding the same value is left
+    alone: a tensor updated in place is put back by value (:meth:`Snapshot.swap_back`),
+    and eager must update that very tensor."""
     if isinstance(obj, list):
-        obj[:] = target
+        if unless is None or _differs(unless, contents_of(obj, keys)):
+            obj[:] = target
         return
     if isinstance(obj, set):
-        obj.clear()
-        obj.update(target)
+        if unless is None or _differs(unless, contents_of(obj, keys)):
+            obj.clear()
+            obj.update(target)
         return
     now = contents_of(obj, keys)
     held = obj if isinstance(obj, dict) else getattr(obj, "__dict__", None)
     for k in now.keys() | target.keys():
         value = target.get(k, ABSENT)
-        if now.get(k, ABSENT) is value:
+        current = now.get(k, ABSENT)
+        if current is value or (unless is not None and current is unless.get(k, ABSENT)):
             continue
         if isinstance(held, dict):
             if value is ABSENT:
@@ -266,9 +272,9 @@ def _put(obj: Any, keys: Keys, target: Any) -> None:
             else:
                 held[k] = value
         elif value is ABSENT:
-            object.__delattr__(obj, k)
+            delattr(obj, k)  # a class's attribute, or a slot
         else:
-            object.__setattr__(obj, k, value)
+            setattr(obj, k, value)
 
 
 def _cloned(contents: Any) -> Any:
