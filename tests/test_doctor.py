@@ -292,6 +292,23 @@ def test_random_ops_make_drift_a_warning(tmp_path: Path) -> None:
     assert code == 0
 
 
+def test_a_graph_no_check_can_copy_for_is_a_drift_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A graph updating an object that a shadow check cannot find to copy: the drift
+    check warns that safe_compile's state will read ``unchecked``, and names it."""
+    from safecompile.doctor import measure as doctor_measure
+
+    monkeypatch.setattr(doctor_measure, "outside_effects", lambda: ((), "L['cache'].layers[0]"))
+    code, report = run(tmp_path, spec("clean"), "--backend", "eager", "--quick")
+
+    assert code == 0
+    assert checks(report)["drift"] == "warn"
+    assert len(report["unchecked"]) == 1
+    assert "L['cache'].layers[0]" in report["unchecked"][0]
+    assert "WARN" in capsys.readouterr().out
+
+
 def test_guarded_function_keeps_its_name_and_backend(tmp_path: Path) -> None:
     """A target already guarded by safe_compile: its name and backend are the defaults."""
     code, report = run(tmp_path, spec("guarded_function"), "--quick")

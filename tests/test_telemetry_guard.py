@@ -421,6 +421,30 @@ def test_call_counts_equal_stats(guard: Callable[..., Any], reader: InMemoryMetr
     assert calls["eager"].value == g.safecompile.stats().eager_calls == 8
 
 
+def test_graphs_gauge_counts_graphs_by_check(
+    guard: Callable[..., Any], reader: InMemoryMetricReader
+) -> None:
+    """``safecompile.graphs``: compiled graphs by where their checks stand; a graph that
+    cannot be checked (dropout while training) is counted ``unchecked``."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5))
+    g = guard(net, name="tests.graphs", shadow=Shadow(canary=2, every=0))
+    x = torch.randn(2, 4)
+    g(x)  # training: random numbers, unchecked
+    net.eval()
+    g(x)  # a second graph: one canary check of two made
+
+    def graphs() -> dict[str, int]:
+        points = data_points(reader)["safecompile.graphs"]
+        return {
+            k: p.value for k, p in by_attribute(points, "safecompile.check", "tests.graphs").items()
+        }
+
+    assert graphs() == {"checked": 0, "unchecked": 1, "not_yet": 1}
+    g(x)
+    assert graphs() == {"checked": 1, "unchecked": 1, "not_yet": 0}
+    assert g.safecompile.state.value == "unchecked"
+
+
 def test_rollbacks_are_counted_by_reason(
     guard: Callable[..., Any], reader: InMemoryMetricReader
 ) -> None:

@@ -15,7 +15,8 @@ class State(str, enum.Enum):
     PENDING = "pending"  # nothing compiled yet
     WARMING = "warming"  # compiling; eager serves
     CANARY = "canary"  # compiled, every call shadow-checked
-    COMPILED = "compiled"
+    COMPILED = "compiled"  # every serving graph passed its canary
+    UNCHECKED = "unchecked"  # compiled, but a serving graph cannot be shadow-checked
     ROLLED_BACK = "rolled_back"  # eager serves after a trip
     DISABLED = "disabled"  # kill switch
 
@@ -108,6 +109,11 @@ class Stats:
     shadow_checks: int = 0
     shadow_breaches: int = 0
     shadow_skipped: int = 0
+    # compiled graphs by their check: passed their canary / cannot be checked (each one's
+    # event says why) / not yet (canary checks left); with shadow=None, none of these
+    graphs_checked: int = 0
+    graphs_unchecked: int = 0
+    graphs_not_yet_checked: int = 0
     max_abs_diff: float = 0.0
     max_rel_diff: float = 0.0
     rollbacks: int = 0

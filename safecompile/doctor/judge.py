@@ -334,6 +334,15 @@ def _check_drift(r: Report) -> Check:
             "shadow checks on such graphs",
             lines=lines,
         )
+    if r.unchecked and not breached:
+        return verdict(
+            "warn",
+            summary=f"{figures}; safe_compile cannot shadow-check {len(r.unchecked)} "
+            "graph(s): its state will read 'unchecked'",
+            advice="keep what the graph updates in the module's buffers and attributes, or "
+            "in objects passed as arguments; safe_compile copies those for its checks",
+            lines=r.unchecked[:5],
+        )
     if breached:
         return verdict(
             "fail",

@@ -29,7 +29,7 @@ from safecompile.base.policies import Buckets, Rollback
 from safecompile.checks.compare import compare
 from safecompile.guard.backend import backend_name, build_compiler, validate_compile_options
 from safecompile.guard.decorator import safe_compile
-from safecompile.guard.graphs import random_op
+from safecompile.guard.graphs import outside_effects, random_op
 from safecompile.observe.progress import spinner
 from safecompile.observe.source import dedupe_graph_breaks, graph_breaks_of, location_of_function
 
@@ -62,6 +62,7 @@ class _Graph:
     breaks: tuple[dict[str, object], ...]
     random_op: str | None
     backend_s: float
+    lost: str | None = None  # an object it updates that a check cannot find to copy
 
 
 class _Recorder:
@@ -75,11 +76,23 @@ class _Recorder:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         breaks = tuple(graph_breaks_of(gm, include_resumed=True))
         random = random_op(gm)
+        _, lost = outside_effects()
         started = time.perf_counter()
         try:
             return self._compiler(gm, example_inputs)
         finally:
-            self.graphs.append(_Graph(breaks, random, time.perf_counter() - started))
+            self.graphs.append(_Graph(breaks, random, time.perf_counter() - started, lost))
+
+
+def _unchecked(graphs: list[_Graph]) -> tuple[str, ...]:
+    """Why safe_compile's shadow checks would skip each graph that cannot be checked."""
+    out = []
+    for n, g in enumerate(graphs, 1):
+        if g.random_op is not None:
+            out.append(f"graph {n}: it draws random numbers ({g.random_op})")
+        elif g.lost is not None:
+            out.append(f"graph {n}: it updates a Python object a check cannot copy ({g.lost})")
+    return tuple(out)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,6 +183,7 @@ def diagnose(
         graphs=len(graphs),
         graph_breaks=tuple(with_source(b) for b in breaks),
         random_op=next((g.random_op for g in graphs if g.random_op is not None), None),
+        unchecked=_unchecked(graphs),
         timing=tuple(timing),
         failure=session.failure,
     )

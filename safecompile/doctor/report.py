@@ -228,6 +228,9 @@ class Report:
     graphs: int = 0
     graph_breaks: tuple[Mapping[str, Any], ...] = ()
     random_op: str | None = None
+    # graphs safe_compile cannot shadow-check, and why ("graph 2: ..."): its state
+    # reads "unchecked" while they serve
+    unchecked: tuple[str, ...] = ()
     timing: tuple[Timing, ...] = ()
     failure: Failure | None = None
     checks: tuple[Check, ...] = ()

@@ -187,7 +187,7 @@ class Controller:
         self._build()
         ks.register(self.name)
         self._refresh_switch()
-        sink.observe_calls(self._call_counts)
+        sink.observe_calls(self._call_counts, self._graph_checks)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         """A copy of a guarded module is unguarded (see ``_ModuleForward``)."""
@@ -210,13 +210,12 @@ class Controller:
             return State.DISABLED
         if self._trips.tripped:
             return State.ROLLED_BACK
+        if self._warming_up:  # live calls run eager until the warmup is done
+            return State.WARMING
         compiled = [g for g in self._table if g.compiled]
         if not compiled:
-            busy = self._compiles.busy or self._warmups or not self._background.is_set()
-            return State.WARMING if busy else State.PENDING
-        if self._shadow_policy is not None and any(g.canary_left > 0 for g in compiled):
-            return State.CANARY
-        return State.COMPILED
+            return State.WARMING if self._compiles.busy else State.PENDING
+        return _compiled_state(compiled, checked=self._shadow_policy is not None)
 
     def stats(self) -> Stats:
         """A frozen snapshot of the counters."""
@@ -224,6 +223,7 @@ class Controller:
         shadow = self._shadow.figures()
         with self._lock:
             graphs = [g for g in self._table if g.compiled]
+            checks = self._table.checks()
             return Stats(
                 calls=compiled_calls + eager_calls,
                 compiled_calls=compiled_calls,
@@ -237,6 +237,9 @@ class Controller:
                 shadow_checks=shadow.checks,
                 shadow_breaches=shadow.breaches,
                 shadow_skipped=shadow.skipped,
+                graphs_checked=checks["checked"],
+                graphs_unchecked=checks["unchecked"],
+                graphs_not_yet_checked=checks["not_yet"],
                 max_abs_diff=shadow.max_abs,
                 max_rel_diff=shadow.max_rel,
                 rollbacks=self._rollbacks,
@@ -744,9 +747,23 @@ class Controller:
     ) -> None:
         self._trip(Reason.DRIFT, message=message, graph=graph, max_abs=max_abs, max_rel=max_rel)
 
+    def _graph_checks(self) -> dict[str, int]:
+        """Compiled graphs by where their checks stand (the ``safecompile.graphs`` gauge)."""
+        return self._table.checks()
+
     def _call_counts(self) -> tuple[int, int]:
         compiled, eager, _ = self._slots.totals()
         return compiled, eager
+
+
+def _compiled_state(compiled: list[GraphRecord], *, checked: bool) -> State:
+    """The state of a callable whose compiled graphs serve: ``unchecked`` while any of
+    them cannot be checked, ``canary`` while any has canary checks left."""
+    if any(g.check() == "unchecked" for g in compiled):
+        return State.UNCHECKED
+    if checked and any(g.canary_left > 0 for g in compiled):
+        return State.CANARY
+    return State.COMPILED
 
 
 def _speed_figures(graphs: list[GraphRecord], *, on: bool) -> dict[str, Any]:

@@ -74,6 +74,7 @@ class GraphRecord:
     code: str  # the function (or resume function, after a graph break) it belongs to
     compiled: bool  # False: past max_recompiles, the traced graph runs eagerly
     bucket: str | None = None
+    watched: bool = False  # compiled, with shadow checks on: its checks count
     canary_left: int = 0
     countdown: int = FOREVER  # runs left before its next check is due (0: due now)
     calls: int = 0
@@ -88,10 +89,22 @@ class GraphRecord:
     speed_at: int = FOREVER  # from this call on, runs ask the speed verdict (_speed.py)
     speed: GraphSpeed | None = None
 
+    def check(self) -> str:
+        """Where its shadow checks stand: ``"checked"`` (its canary passed),
+        ``"unchecked"`` (it cannot be checked: :attr:`unchecked` says why), ``"not_yet"``
+        (canary checks left) or ``"off"`` (not watched: shadow checks off, or it runs
+        eagerly past the recompile limit)."""
+        if not self.watched:
+            return "off"
+        if self.unchecked is not None:
+            return "unchecked"
+        return "checked" if self.canary_left == 0 and self.checks > 0 else "not_yet"
+
     def to_dict(self) -> dict[str, Any]:
         """The record for ``report()``: counters and labels only, never values."""
         return {
             "id": self.id,
+            "check": self.check(),
             "inputs": self.label,
             "code": self.code,
             "compiled": self.compiled,
@@ -133,6 +146,7 @@ class GraphTable:
             code=code,
             compiled=compiled,
             bucket=bucket,
+            watched=self._shadow is not None and compiled,
             canary_left=canary if unchecked is None else 0,
             unchecked=unchecked,
         )
@@ -145,6 +159,15 @@ class GraphTable:
             if compiled:
                 self._per_code[code] = self._per_code.get(code, 0) + 1
         return record
+
+    def checks(self) -> dict[str, int]:
+        """How many graphs stand where (see :meth:`GraphRecord.check`)."""
+        counts = {"checked": 0, "unchecked": 0, "not_yet": 0}
+        for record in self:
+            status = record.check()
+            if status in counts:
+                counts[status] += 1
+        return counts
 
     def compiled_for(self, code: str) -> int:
         """How many graphs were compiled for one code object (the recompile limit's unit)."""

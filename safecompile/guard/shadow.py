@@ -22,7 +22,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -51,7 +51,11 @@ class Sink(Protocol):
         self, *, passed: bool, max_abs: float, max_rel: float, bucket: str | None, log_span: bool
     ) -> None: ...
 
-    def observe_calls(self, source: Callable[[], tuple[int, int]]) -> None: ...
+    def observe_calls(
+        self,
+        source: Callable[[], tuple[int, int]],
+        graphs: Callable[[], Mapping[str, int]] | None = None,
+    ) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)

@@ -146,6 +146,27 @@ class _Instruments:
             unit="{call}",
             description="Calls of guarded callables, by the path that served them.",
         )
+        self.graphs = meter.create_observable_gauge(
+            "safecompile.graphs",
+            callbacks=[self._observe_graphs],
+            unit="{graph}",
+            description="Compiled graphs serving, by where their shadow checks stand.",
+        )
+
+    def _observe_graphs(self, options: CallbackOptions) -> Iterable[Observation]:
+        try:
+            totals: dict[tuple[str, str], int] = {}
+            for entry in _calls_registry.entries():
+                for check, n in (entry.read_graphs(self) or {}).items():
+                    key = (entry.function, check)
+                    totals[key] = totals.get(key, 0) + int(n)
+            return [
+                Observation(n, {"safecompile.function": f, "safecompile.check": check})
+                for (f, check), n in totals.items()
+            ]
+        except Exception as exc:  # a metric reader must never see ours
+            report_internal_error("safecompile.graphs", exc)
+            return []
 
     def _observe_calls(self, options: CallbackOptions) -> Iterable[Observation]:
         try:
@@ -217,9 +238,22 @@ _instrument_cache = _InstrumentCache()
 class _CallsEntry:
     """One guarded callable's call counts source, held weakly."""
 
-    __slots__ = ("__weakref__", "function", "last", "last_instruments", "owner", "source")
+    __slots__ = (
+        "__weakref__",
+        "function",
+        "graphs",
+        "last",
+        "last_instruments",
+        "owner",
+        "source",
+    )
 
-    def __init__(self, telemetry: Telemetry, source: Callable[[], tuple[int, int]]) -> None:
+    def __init__(
+        self,
+        telemetry: Telemetry,
+        source: Callable[[], tuple[int, int]],
+        graphs: Callable[[], Mapping[str, int]] | None = None,
+    ) -> None:
         self_ref = weakref.ref(self)
 
         def dead(_: object) -> None:
@@ -227,11 +261,8 @@ class _CallsEntry:
 
         self.function = telemetry.function
         self.owner = weakref.ref(telemetry, dead)
-        self.source: weakref.ref[Callable[[], tuple[int, int]]]
-        if inspect.ismethod(source):
-            self.source = weakref.WeakMethod(source, dead)
-        else:
-            self.source = weakref.ref(source, dead)
+        self.source: weakref.ref[Callable[[], tuple[int, int]]] = _weak(source, dead)
+        self.graphs = _weak(graphs, dead) if graphs is not None else None
         self.last = (0, 0)
         self.last_instruments: _Instruments | None = None
 
@@ -252,6 +283,14 @@ class _CallsEntry:
         self.last_instruments = instruments
         return self.last
 
+    def read_graphs(self, instruments: _Instruments) -> Mapping[str, int] | None:
+        """This callable's graphs by check, if it reports to ``instruments`` now."""
+        owner = self.owner()
+        source = self.graphs() if self.graphs is not None else None
+        if owner is None or source is None or owner._instruments() is not instruments:
+            return None
+        return source()
+
     def retire(self) -> None:
         """Fold the last counts into the totals, so the counter never goes down."""
         instruments = self.last_instruments
@@ -259,6 +298,13 @@ class _CallsEntry:
             total = instruments.retired.setdefault(self.function, [0, 0])
             total[0] += self.last[0]
             total[1] += self.last[1]
+
+
+def _weak(fn: Callable[..., _R], dead: Callable[[Any], None]) -> weakref.ref[Callable[..., _R]]:
+    """A weak reference to a callable (a bound method through ``WeakMethod``)."""
+    if inspect.ismethod(fn):
+        return weakref.WeakMethod(fn, dead)
+    return weakref.ref(fn, dead)
 
 
 class _CallsRegistry:
@@ -563,8 +609,14 @@ class Telemetry:
     # ------------------------------------------------------------------ call counts
 
     @_never_raises("Telemetry.observe_calls")
-    def observe_calls(self, source: Callable[[], tuple[int, int]]) -> None:
-        """Report ``source()`` = ``(compiled_calls, eager_calls)`` as ``safecompile.calls``.
+    def observe_calls(
+        self,
+        source: Callable[[], tuple[int, int]],
+        graphs: Callable[[], Mapping[str, int]] | None = None,
+    ) -> None:
+        """Report ``source()`` = ``(compiled_calls, eager_calls)`` as ``safecompile.calls``,
+        and ``graphs()`` (graphs by check: ``checked``, ``unchecked``, ``not_yet``) as the
+        gauge ``safecompile.graphs``.
 
         Read only when a metric reader collects: nothing on the call path. ``source`` is
         held weakly (a bound method through ``weakref.WeakMethod``): when it, or this
@@ -574,7 +626,7 @@ class Telemetry:
         second call replaces the first source.
         """
         self.close()
-        entry = _CallsEntry(self, source)
+        entry = _CallsEntry(self, source, graphs)
         self._calls = entry
         self._instruments()  # make sure the observable counter exists on this meter
         _calls_registry.add(entry)
