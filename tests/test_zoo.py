@@ -11,7 +11,8 @@ import pytest
 import torch
 import zoo
 
-from safecompile import EventKind, Shadow, safe_compile
+from safecompile import EventKind, Shadow, State, safe_compile
+from safecompile.testing import DriftingBackend
 
 # (batch, seq): the same shape thrice, then another (vision models ignore seq).
 SHAPES = [(2, 8), (2, 8), (2, 8), (3, 12), (3, 12)]
@@ -144,3 +145,84 @@ def test_zoo_kv_cache_decoding_matches_eager() -> None:
             )
             tokens = outs["reference"].logits[:, -1:].argmax(-1)
     assert_no_rollback(guarded)
+
+
+# ------------------------------------------------------------ calls that update Python state
+
+PROMPT = 6
+NEW_TOKENS = 4
+
+
+def generate(module: torch.nn.Module, **options: Any) -> torch.Tensor:
+    _, kwargs = zoo.text_inputs(2, PROMPT, mask=False)
+    with torch.no_grad():
+        out: torch.Tensor = module.generate(  # type: ignore[operator]
+            kwargs["input_ids"],
+            attention_mask=torch.ones_like(kwargs["input_ids"]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=zoo.VOCAB - 1,
+            **options,
+        )
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "cache"), [("gpt2", "dynamic"), ("llama", "dynamic"), ("llama", "static")]
+)
+def test_zoo_generate_with_a_kv_cache_is_checked_on_every_graph(name: str, cache: str) -> None:
+    """``generate()`` updates its KV cache in every call (a ``DynamicCache`` rebinds its
+    layers' tensors, a ``StaticCache`` writes them in place): every graph gets its canary
+    checks, none is skipped, and the tokens are eager's."""
+    model = zoo.BUILDERS[name](dropout=0.0)
+    reference = copy.deepcopy(model.module)
+    guarded = guard(model, Shadow(canary=8, every=64))
+    options = {} if cache == "dynamic" else {"cache_implementation": "static"}
+    torch.testing.assert_close(generate(guarded, **options), generate(reference, **options))
+    stats = guarded.safecompile.stats()
+    assert stats.shadow_skipped == 0, messages(guarded, EventKind.SHADOW_SKIPPED)
+    assert stats.shadow_checks == stats.compiled_calls == NEW_TOKENS
+    graphs = guarded.safecompile.report()["graphs"]
+    assert all(g["checks"] == g["calls"] > 0 for g in graphs if g["compiled"]), graphs
+    assert guarded.safecompile.state is State.CANARY  # canary=8: checks still to come
+    assert_no_rollback(guarded)
+
+
+def test_zoo_drift_while_decoding_is_caught_and_the_tokens_are_eagers() -> None:
+    """A backend whose outputs drift by 1%: the first checked decode call breaches, the
+    callable rolls back, and generate() returns exactly eager's tokens."""
+    model = zoo.gpt2(dropout=0.0)
+    reference = copy.deepcopy(model.module)
+    guarded = guard(model, Shadow(canary=8, every=64), backend=DriftingBackend(scale=1.01))
+    torch.testing.assert_close(generate(guarded), generate(reference))
+    stats = guarded.safecompile.stats()
+    assert stats.shadow_breaches == 1
+    assert guarded.safecompile.state is State.ROLLED_BACK
+    assert stats.compiled_calls == 0
+
+
+def test_zoo_classifier_training_with_labels_is_checked() -> None:
+    """``BertForSequenceClassification`` with labels sets ``config.problem_type`` on its
+    first call (then the same value again): checked on every call, gradients eager's."""
+    module = zoo.bert_classifier()
+    reference = copy.deepcopy(module)
+    guarded = safe_compile(
+        module, backend="aot_eager", shadow=Shadow(canary=3, every=1), name="zoo.classifier"
+    )
+    labels = torch.tensor([0, 2])
+    for _ in range(3):
+        _, kwargs = zoo.text_inputs(2, 8)
+        for m in (guarded, reference):
+            m.zero_grad(set_to_none=True)
+            m(**kwargs, labels=labels).loss.backward()
+        for (param_name, expected), got in zip(
+            reference.named_parameters(), guarded.parameters(), strict=True
+        ):
+            torch.testing.assert_close(got.grad, expected.grad, msg=param_name)
+    assert module.config.problem_type == "single_label_classification"
+    stats = guarded.safecompile.stats()
+    assert (stats.shadow_checks, stats.shadow_skipped) == (3, 0), messages(
+        guarded, EventKind.SHADOW_SKIPPED
+    )
+    assert guarded.safecompile.state is State.COMPILED
+    assert_clean(guarded)

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from transformers import (
     BertConfig,
+    BertForSequenceClassification,
     BertModel,
     GPT2Config,
     GPT2LMHeadModel,
@@ -214,3 +215,21 @@ BUILDERS: dict[str, Callable[..., ZooModel]] = {
     "vit": vit,
     "resnet": resnet,
 }
+
+
+def bert_classifier(*, labels: int = 3) -> nn.Module:
+    """``BertForSequenceClassification`` (2 layers, hidden 32, no dropout) in ``train()``:
+    called with ``labels`` it sets ``config.problem_type`` on its first call."""
+    torch.manual_seed(SEED)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        num_labels=labels,
+    )
+    return BertForSequenceClassification(config).train()
