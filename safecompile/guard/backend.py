@@ -15,21 +15,13 @@ from typing import Any
 import torch
 
 from safecompile.base.errors import ConfigError
-from safecompile.base.options import CompilerFn
+from safecompile.base.options import CompilerFn, backend_name
 
 __all__ = ["backend_name", "build_compiler", "compile_function", "validate_compile_options"]
 
 
 def _known_backends() -> list[str]:
     return sorted(torch._dynamo.list_backends(exclude_tags=()))
-
-
-def backend_name(backend: str | Callable[..., Any]) -> str:
-    """A readable name for a backend given as a name or a callable."""
-    if isinstance(backend, str):
-        return backend
-    name = getattr(backend, "__name__", None) or type(backend).__name__
-    return str(name)
 
 
 def _validate_backend(backend: object) -> str | Callable[..., Any]:
