@@ -9,6 +9,7 @@ inductor's ``mode``/``options`` while wrapping, we build the same compiler objec
 from __future__ import annotations
 
 import inspect
+import types
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -17,7 +18,13 @@ import torch
 from safecompile.base.errors import ConfigError
 from safecompile.base.options import CompilerFn, backend_name
 
-__all__ = ["backend_name", "build_compiler", "compile_function", "validate_compile_options"]
+__all__ = [
+    "backend_name",
+    "build_compiler",
+    "compile_function",
+    "own_frame",
+    "validate_compile_options",
+]
 
 
 def _known_backends() -> list[str]:
@@ -143,3 +150,26 @@ def compile_function(
         fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph, **extra
     )
     return compiled
+
+
+def own_frame(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` behind a top frame whose code object no other compiled callable shares.
+
+    torch caches compiled graphs on the code object of the frame it compiles. A bound
+    method (a module's ``forward``) is compiled through a frame torch shares with every
+    other such callable in the process (``wrap_inline``'s ``inner``), or through the
+    method's code, shared by every instance of the class. With a frame of its own,
+    ``reset()`` drops this callable's graphs and never another's. A plain function is
+    its own frame already.
+    """
+    if inspect.isfunction(fn):
+        return fn
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        return fn(*args, **kwargs)
+
+    name = str(getattr(fn, "__name__", "call"))
+    code = call.__code__.replace(co_name=name, co_qualname=f"{name}[safecompile]")
+    own = types.FunctionType(code, call.__globals__, name, None, call.__closure__)
+    own.__qualname__ = code.co_qualname
+    return own

@@ -42,7 +42,7 @@ from safecompile.persist.restart import Persisted
 from safecompile.shapes.buckets import Bucketer
 from safecompile.shapes.table import BucketTable
 
-from .backend import compile_function
+from .backend import compile_function, own_frame
 from .compiles import CompileTracker, KnownFailures
 from .graphs import (
     GraphHooks,
@@ -206,7 +206,10 @@ class Controller:
     @property
     def state(self) -> State:
         """Where the callable stands now (see :class:`State`)."""
-        if self._gate.disabled:
+        gate = self._gate
+        if ks.env_token() is not gate.token or ks.SWITCH.generation != gate.generation:
+            self._refresh_switch()  # the switch changed: the next call's path is known now
+        if gate.disabled:
             return State.DISABLED
         if self._trips.tripped:
             return State.ROLLED_BACK
@@ -320,13 +323,15 @@ class Controller:
     def reset(self) -> None:
         """Forget trips, verdicts and compiled graphs: back to ``"pending"``.
 
-        The graphs torch holds for this function are dropped too
-        (``torch._dynamo.reset_code``), so resets never pile up cache entries.
+        The graphs torch holds for this function and its resume functions are dropped
+        too (``torch._dynamo.reset_code``), and the same backend and compiled function
+        serve on, so resets never pile up cache entries, graphs or backends.
         """
         with self._lock:
-            code = getattr(self._fn, "__code__", None)
-            if code is not None:
+            self._table = GraphTable(self._shadow_policy, self._speed_policy)
+            for code in self._backend.restart(self._hooks()):  # ours, resume functions too
                 torch._dynamo.reset_code(code)  # type: ignore[attr-defined]
+            time_tracing()
             self._trips.reset()
             self._compiles.reset()
             self._slots.clear()
@@ -336,7 +341,6 @@ class Controller:
             if self._buckets is not None:
                 self._buckets.clear()
             self._zero()
-            self._build()
             self._update_gate()
         self._record(Event(kind=EventKind.RESET, time=time.time(), message="reset()"))
 
@@ -370,15 +374,12 @@ class Controller:
         self._limit_said = False
         self._seen_breaks: set[tuple[object, object]] = set()
 
-    def _build(self) -> None:
-        """A fresh graph table and the compiled function whose backend fills it."""
-        self._table = GraphTable(self._shadow_policy, self._speed_policy)
-        time_tracing()
-        limit = self._rollback_policy.recompile_limit
-        hooks = GraphHooks(
+    def _hooks(self) -> GraphHooks:
+        """What the backend needs: the graph table in use, and the controller's parts."""
+        return GraphHooks(
             table=self._table,
             slots_local=self._slots.local,
-            limit=limit,
+            limit=self._rollback_policy.recompile_limit,
             on_compile_start=self._compiles.enter,
             on_compile_end=self._compiles.leave,
             on_graph=self._on_graph,
@@ -388,13 +389,22 @@ class Controller:
             on_speed=self._on_speed,
             announce=self._announce_compile,
         )
+
+    def _build(self) -> None:
+        """A graph table, and the compiled function whose backend fills it (once: a
+        ``reset()`` gives the same backend a fresh table)."""
+        self._table = GraphTable(self._shadow_policy, self._speed_policy)
+        time_tracing()
+        limit = self._rollback_policy.recompile_limit
         opts = self._opts
         guard_filter = (opts.options or {}).get("guard_filter_fn")
-        backend = GuardBackend(self._compiler, hooks, opts.backend_label)
+        backend = self._backend = GuardBackend(self._compiler, self._hooks(), opts.backend_label)
+
+        top = own_frame(self._fn)  # reset() drops the graphs of this callable alone
 
         def build() -> Callable[..., Any]:
             return compile_function(
-                self._fn,
+                top,
                 backend=backend,
                 dynamic=opts.dynamic,
                 fullgraph=opts.fullgraph,

@@ -19,6 +19,8 @@ import re
 import sys
 import threading
 import time
+import types
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -254,7 +256,20 @@ class GuardBackend:
         self._compiler = compiler
         self._hooks = hooks
         self._made: dict[tuple[Any, ...], tuple[GraphRecord, Callable[..., Any], Any]] = {}
+        # every code object it made graphs for: the function, and its resume functions
+        self._codes: weakref.WeakSet[types.CodeType] = weakref.WeakSet()
         self.__name__ = f"safecompile[{label}]"
+
+    def restart(self, hooks: GraphHooks) -> list[types.CodeType]:
+        """Start again with fresh hooks (a new graph table: ``reset()``) and forget every
+        graph made; returns the code objects they were made for, whose cache entries
+        the caller drops (``torch._dynamo.reset_code``). The same backend and compiled
+        function serve on, so nothing torch keeps per ``torch.compile`` piles up."""
+        self._hooks = hooks
+        self._made.clear()
+        codes = list(self._codes)
+        self._codes.clear()
+        return codes
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         hooks = self._hooks
@@ -264,7 +279,10 @@ class GuardBackend:
         try:
             if hooks.announce is not None:  # a slow compile says so (see _progress)
                 ended = hooks.announce(describe_inputs(gm), started)
-            code = _code_name()
+            frame = _frame_code()
+            if frame is not None:
+                self._codes.add(frame)
+            code = _code_name(frame)
             twin = _twin_key(code, gm, example_inputs)
             made = self._made.get(twin)
             if made is not None:
@@ -541,13 +559,19 @@ def _closure_names() -> dict[str, Any]:
     return _CLOSURE_NAMES
 
 
-def _code_name() -> str:
+def _frame_code() -> types.CodeType | None:
     """The code object dynamo is compiling (the function, or a resume function)."""
     try:
-        code = InstructionTranslator.current_tx().f_code
-        return f"{code.co_name}@{code.co_filename}:{code.co_firstlineno}"
+        code: types.CodeType = InstructionTranslator.current_tx().f_code
     except Exception:
+        return None
+    return code
+
+
+def _code_name(code: types.CodeType | None) -> str:
+    if code is None:
         return "?"
+    return f"{code.co_name}@{code.co_filename}:{code.co_firstlineno}"
 
 
 # ---------------------------------------------------------------- what a graph is
