@@ -31,6 +31,18 @@ def _clean_switch(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     safecompile.enable()
 
 
+# The operator's key for signed cache entries (docs/security.md), the same in every test
+# and in the processes tests start; tests of keyless behaviour delete it.
+TEST_CACHE_KEY = "safecompile-tests-key-0123456789"
+
+
+@pytest.fixture(autouse=True)
+def _cache_key(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cache entries are signed and verified under ``TEST_CACHE_KEY`` in every test."""
+    monkeypatch.setenv("SAFECOMPILE_CACHE_KEY", TEST_CACHE_KEY)
+    monkeypatch.delenv("SAFECOMPILE_CACHE_KEY_FILE", raising=False)
+
+
 @pytest.fixture(scope="session")
 def example_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     """The environment an example runs in as a subprocess: the cheap ``aot_eager`` backend
@@ -41,6 +53,7 @@ def example_env(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     env.update(
         SAFECOMPILE_EXAMPLE_BACKEND="aot_eager",
         SAFECOMPILE_CACHE_DIR=str(tmp_path_factory.mktemp("example-cache")),
+        SAFECOMPILE_CACHE_KEY=TEST_CACHE_KEY,
         PYTHONUNBUFFERED="1",
     )
     return env

@@ -83,6 +83,7 @@ def replica(code: str, *, url: str, cache_dir: Path, timeout: float = 300) -> di
         k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "SAFECOMPILE_"))
     }
     env.update({REMOTE_ENV_VAR: url, "SAFECOMPILE_CACHE_DIR": str(cache_dir)})
+    env["SAFECOMPILE_CACHE_KEY"] = os.environ["SAFECOMPILE_CACHE_KEY"]  # the fleet's key
     proc = subprocess.run(
         [sys.executable, "-c", code],
         env=env,

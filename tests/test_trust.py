@@ -7,7 +7,11 @@ the test fails when it does not return within ``HANG_S``.
 
 from __future__ import annotations
 
+import base64
+import errno
+import json
 import os
+import pickle
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,12 +22,14 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from safecompile import safe_compile
+from safecompile import Buckets, Warmup, pow2, safe_compile
 from safecompile.base import killswitch as ks
 from safecompile.fleet import switch as fleet_switch
 from safecompile.fleet.switch import POLL_ENV_VAR, SOURCE_ENV_VAR, WATCHER, FileSource
 from safecompile.persist import remote as _remote
+from safecompile.persist import signing
 from safecompile.persist.bounded import ReadTimeoutError, read_file
+from safecompile.persist.cache import CACHE_ENV_VAR, Verdict, VerdictStore
 from safecompile.persist.remote import REMOTE_ENV_VAR, RedisLink, RemoteUnavailableError
 
 HANG_S = 20.0  # far above any bounded wait here; only a hang reaches it
@@ -269,3 +275,438 @@ def test_fork_hooks_give_the_child_fresh_locks() -> None:
         for lock in held:
             lock.release()
     assert fleet_switch.WATCHER is WATCHER
+
+
+# ---------------------------------------------------------------- shared storage is code
+
+
+class Payload:
+    """A pickle that creates ``marker`` when it is unpickled: what an attacker writes."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.marker), "w"))
+
+
+def torch_entry(marker: Path) -> bytes:
+    """torch's remote-cache value format (JSON, the pickle base64'd) holding a payload."""
+    data = base64.b64encode(pickle.dumps(Payload(marker))).decode()
+    return json.dumps({"data": data, "time_taken_ms": 1}).encode()
+
+
+@pytest.fixture
+def remote_on(redis_url: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
+    """The remote cache activated (with the test key) over the session's redis-server;
+    a Redis client to play the attacker."""
+    redis = pytest.importorskip("redis")
+    for name, _module, _attr in _remote.TORCH_FLAGS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv(REMOTE_ENV_VAR, redis_url)
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path / "cache"))
+    signing.reset()
+    assert _remote.activate() is not None
+    return redis.Redis.from_url(redis_url)
+
+
+@pytest.mark.parametrize(
+    ("cache_id", "cache"),
+    [("fx-graph-v1", "FxGraphCache"), ("autograd-experimental", "AOTAutogradCache")],
+)
+def test_a_pickle_written_into_redis_is_never_unpickled(
+    remote_on: Any, tmp_path: Path, cache_id: str, cache: str
+) -> None:
+    """Item 1, the attacker: a payload under torch's own key, read by torch's own lookup
+    (``GuardedCache.iterate_over_candidates``, which unpickles) through our transport, is
+    a miss with one warning; the same bytes sealed with the operator's key do reach torch
+    (the control: this lookup does unpickle what the transport hands it)."""
+    from torch._functorch._aot_autograd.autograd_cache import AOTAutogradCache
+    from torch._inductor import remote_cache
+    from torch._inductor.codecache import FxGraphCache
+
+    guarded = {"FxGraphCache": FxGraphCache, "AOTAutogradCache": AOTAutogradCache}[cache]
+    transport = remote_cache.RedisRemoteCache(cache_id)
+    redis_key = transport._get_key("k1")
+    marker = tmp_path / "pwned"
+    remote_on.set(redis_key, torch_entry(marker))
+    with capture_logs() as logs:
+        assert list(guarded.iterate_over_candidates(False, transport, "k1")) == []
+    assert not marker.exists()
+    (ignored,) = events(logs, "cache_file_ignored")
+    assert "not signed" in ignored["reason"]
+    assert redis_key in ignored["path"]
+
+    key = signing.signer()
+    assert key is not None
+    remote_on.set(redis_key, key.seal(_remote.TORCH_PURPOSE, redis_key, torch_entry(marker)))
+    list(guarded.iterate_over_candidates(False, transport, "k1"))
+    assert marker.exists()  # signed by the key holder: trusted like the code
+
+
+def test_another_keys_seal_or_another_name_does_not_verify(remote_on: Any) -> None:
+    """An entry sealed under another key, or moved from another Redis key, is a miss."""
+    from torch._inductor import remote_cache
+
+    transport = remote_cache.RedisRemoteCache("fx-graph-v1")
+    name, other = transport._get_key("k1"), transport._get_key("k2")
+    value = json.dumps({"data": "x"}).encode()
+    wrong = signing.Signer(secret=b"another-operator-key-1234", source="test")
+    remote_on.set(name, wrong.seal(_remote.TORCH_PURPOSE, name, value))
+    assert transport.get("k1") is None
+    key = signing.signer()
+    assert key is not None
+    remote_on.set(name, key.seal(_remote.TORCH_PURPOSE, other, value))
+    assert transport.get("k1") is None
+    remote_on.set(name, key.seal(_remote.TORCH_PURPOSE, name, value))
+    assert transport.get("k1") == {"data": "x"}
+    transport.put("k3", {"data": "y"})  # what torch writes is sealed
+    assert remote_on.get(transport._get_key("k3")).startswith(signing.MAGIC)
+
+
+def test_without_a_key_torchs_remote_caches_stay_off(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No key: nothing torch unpickles is read from Redis; torch's flags and transport are
+    untouched, the verdict tier is off, one warning says so."""
+    from torch._inductor import remote_cache
+
+    for name, _module, _attr in _remote.TORCH_FLAGS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv(signing.KEY_ENV_VAR)
+    monkeypatch.setenv(REMOTE_ENV_VAR, redis_url)
+    with capture_logs() as logs:
+        assert _remote.activate() is None
+        assert _remote.activate() is None
+    (warning,) = events(logs, "remote_cache_unavailable")
+    assert "SAFECOMPILE_CACHE_KEY" in warning["reason"]
+    assert remote_cache.RedisRemoteCache.backend_override_cls is None
+    assert "TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE" not in os.environ
+
+
+def centered(x: torch.Tensor) -> torch.Tensor:
+    return x - x.mean(dim=1, keepdim=True)  # zero padding moves the mean
+
+
+def tokenwise(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x @ torch.ones(8, 8)) * 2
+
+
+def bucketed(fn: Any) -> Any:
+    return safe_compile(
+        fn,
+        backend="eager",
+        shadow=None,
+        buckets=Buckets(dims={"x": 1}, sizes=pow2(4, 32), strategy="pad"),
+        warmup=Warmup(inputs=[(torch.randn(2, 5, 8),)]),
+    )
+
+
+def restored(g: Any) -> list[str | None]:
+    return [b["restored"] for b in g.safecompile.report()["buckets"].values()]
+
+
+def all_correct(g: Any, fn: Any, calls: int = 20) -> int:
+    """How many of ``calls`` calls (lengths 1..) returned ``fn``'s eager result."""
+    good = 0
+    for n in range(1, calls + 1):
+        x = torch.randn(2, n, 8)
+        out = g(x)
+        good += out.shape == fn(x).shape and torch.allclose(out, fn(x), atol=1e-5)
+    return good
+
+
+def test_a_rejected_bucket_rewritten_as_verified_in_redis_is_not_trusted(
+    remote_on: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 2 through Redis: a replica rejects ``centered``'s buckets (padding moves the
+    mean); an attacker rewrites each shared verdict as ``bucket_verified`` with a cut that
+    fits. A replica with an empty local cache ignores them (HMAC), verifies again, and all
+    its results are right with ``shadow=None``."""
+    first = bucketed(centered)
+    assert [b["status"] for b in first.safecompile.report()["buckets"].values()] == ["rejected"] * 4
+    rewritten = 0
+    for name in remote_on.scan_iter(match=f"{_remote.VERDICT_PREFIX}*"):
+        for scope, raw in remote_on.hgetall(name).items():
+            doc = json.loads(raw)
+            if doc["verdict"]["kind"] != "bucket_rejected":
+                continue
+            size = int(doc["verdict"]["details"]["bucket"].split()[0])
+            doc["verdict"]["kind"] = "bucket_verified"
+            doc["verdict"]["details"]["cut"] = [["", [2, size, 8], [[1, 0]], True]]
+            remote_on.hset(name, scope, json.dumps(doc))
+            rewritten += 1
+    assert rewritten == 4
+
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path / "another-replica"))
+    with capture_logs() as logs:
+        second = bucketed(centered)
+        assert all_correct(second, centered) == 20
+    assert "verified" not in restored(second)
+    assert any("HMAC" in e["reason"] for e in events(logs, "cache_file_ignored"))
+
+
+def test_a_signed_cut_that_keeps_the_pad_rows_is_not_used(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 2, a local verdict whose cut keeps the pad rows (cuts nothing), even signed
+    with the operator's key: inconsistent with its bucket, so the bucket is verified
+    again against eager and every result has the input's length."""
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
+    bucketed(tokenwise)
+    store = VerdictStore(tmp_path)
+    keys = {p.parent.name for p in (tmp_path / "verdicts").rglob("*.json")}
+    changed = 0
+    for key in keys:
+        for scope, verdict in store.all(key).items():
+            if verdict.kind == "bucket_verified":
+                cut = [[p, shape, [], c] for p, shape, _dims, c in verdict.details["cut"]]
+                details = {**verdict.details, "cut": cut}
+                store.put(key, Verdict(**{**verdict.to_dict(), "details": details}), scope)
+                changed += 1
+    assert changed == 4
+    second = bucketed(tokenwise)
+    assert all_correct(second, tokenwise, calls=12) == 12
+    assert second.safecompile.stats().shadow_checks == 4  # each bucket verified again
+
+
+def test_an_artifact_blob_is_verified_before_torch_loads_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 3: ``artifacts/<key>.bin`` (which torch unpickles) written by someone who can
+    write the cache directory but has no key never reaches
+    ``torch.compiler.load_cache_artifacts``; a blob sealed with the key does."""
+    from safecompile.persist import restart
+
+    loaded: list[bytes] = []
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", loaded.append)
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
+    x = torch.randn(3)
+
+    def persisted() -> tuple[Any, str]:
+        kept = restart.Persisted(score, {"backend": "eager"})
+        key = kept.key((x,), {})
+        assert key is not None
+        return kept, key
+
+    kept, key = persisted()
+    artifacts = Verdict(kind=restart.ARTIFACTS, time=1.0, details={"torch_cache_dir": "/x"})
+    assert VerdictStore(tmp_path).put(key, artifacts, restart._ARTIFACTS_SCOPE)
+    blob = kept._blob(key)
+    blob.parent.mkdir()
+    blob.write_bytes(pickle.dumps(Payload(tmp_path / "pwned")))
+    with capture_logs() as logs:
+        kept.load_artifacts((x,), {})
+    assert loaded == []
+    (ignored,) = events(logs, "cache_file_ignored")
+    assert "not signed" in ignored["reason"]
+
+    key_holder = signing.signer()
+    assert key_holder is not None
+    blob.write_bytes(key_holder.seal("artifacts", key, b"torch's blob"))
+    persisted()[0].load_artifacts((x,), {})
+    assert loaded == [b"torch's blob"]
+
+
+def test_without_a_key_the_cache_directory_keeps_only_torchs_own_caches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No key: no verdict is written or read (one warning), torch's on-disk cache still
+    points there, and calls are eager-correct."""
+    from safecompile.testing import FailingBackend
+
+    monkeypatch.delenv(signing.KEY_ENV_VAR)
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "elsewhere"))
+    signing.reset()
+    x = torch.randn(3)
+    with capture_logs() as logs:
+        g = safe_compile(score, backend=FailingBackend(), shadow=None)
+        assert torch.equal(g(x), score(x))
+    assert not list(tmp_path.rglob("*.json"))
+    (warning,) = events(logs, "cache_untrusted")
+    assert "without a key" in warning["reason"]
+
+
+def test_a_key_file_is_read_once_and_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``SAFECOMPILE_CACHE_KEY_FILE``: the key is the file's text; a file others can
+    write, a short key or a FIFO is refused with one warning, never a hang."""
+    monkeypatch.delenv(signing.KEY_ENV_VAR)
+    path = tmp_path / "key"
+    path.write_text("  a-key-from-a-mounted-secret \n")
+    path.chmod(0o600)
+    monkeypatch.setenv(signing.KEY_FILE_ENV_VAR, str(path))
+    signing.reset()
+    found = signing.signer()
+    assert found is not None
+    assert found.secret == b"a-key-from-a-mounted-secret"
+    assert "key" not in repr(found).replace("KEY_FILE", "").split("source")[0]
+
+    bad = {"open": tmp_path / "open", "short": tmp_path / "short", "fifo": tmp_path / "fifo"}
+    bad["open"].write_text("a-key-others-can-rewrite-0123")
+    bad["open"].chmod(0o666)
+    bad["short"].write_text("short")
+    os.mkfifo(bad["fifo"])
+    for why, bad_path in bad.items():
+        monkeypatch.setenv(signing.KEY_FILE_ENV_VAR, str(bad_path))
+        with capture_logs() as logs:
+            assert returns_within(signing.signer) is None, why
+        assert len(events(logs, "cache_untrusted")) == 1, why
+
+
+# ---------------------------------------------------------------- the cache directory
+
+
+@pytest.mark.parametrize("mode", [0o777, 0o775, 0o722])
+def test_a_cache_directory_others_can_write_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mode: int
+) -> None:
+    """torch unpickles from it: as ssh refuses such a key directory, a cache directory
+    group or others can write is not used (one warning), and calls go on."""
+    from safecompile.testing import FailingBackend
+
+    root = tmp_path / "shared"
+    root.mkdir()
+    root.chmod(mode)
+    monkeypatch.setenv(CACHE_ENV_VAR, str(root))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch-own"))
+    x = torch.randn(3)
+    with capture_logs() as logs:
+        g = safe_compile(score, backend=FailingBackend(), shadow=None)
+        assert torch.equal(g(x), score(x))
+    assert list(root.iterdir()) == []
+    (warning,) = events(logs, "cache_untrusted")
+    assert "writable by other users" in warning["reason"]
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "torch-own")
+
+
+def test_a_cache_directory_owned_by_someone_else_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("chown to another user needs root")
+    root = tmp_path / "theirs"
+    root.mkdir(mode=0o700)
+    os.chown(root, 65534, 65534)
+    monkeypatch.setenv(CACHE_ENV_VAR, str(root))
+    from safecompile.persist.cache import usable_root
+
+    with capture_logs() as logs:
+        assert usable_root() is None
+    (warning,) = events(logs, "cache_untrusted")
+    assert "owned by uid 65534" in warning["reason"]
+
+
+def test_a_read_only_cache_directory_is_a_warning_not_an_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 12: on a read-only file system (simulated: creating anything under the
+    directory fails with EROFS, as it does for root too) ``safe_compile()`` used to raise
+    ``OSError``; now one warning, the cache off, and calls are right."""
+    root = tmp_path / "ro"
+    root.mkdir(mode=0o700)
+    real_mkdir, real_open = os.mkdir, os.open
+
+    def read_only(path: Any) -> None:
+        if str(path).startswith(str(root)):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+
+    def mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
+        read_only(path)
+        real_mkdir(path, *args, **kwargs)
+
+    def open_(path: Any, flags: int, *args: Any, **kwargs: Any) -> int:
+        if flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            read_only(path)
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    monkeypatch.setattr(os, "open", open_)
+    monkeypatch.setenv(CACHE_ENV_VAR, str(root))
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    x = torch.randn(3)
+    with capture_logs() as logs:
+        g = safe_compile(score, backend="eager", shadow=None)
+        assert torch.equal(g(x), score(x))
+    (warning,) = events(logs, "cache_untrusted")
+    assert "Read-only file system" in warning["reason"]
+
+
+# ---------------------------------------------------------------- bad input read back
+
+
+def deep(levels: int) -> bytes:
+    return b'{"schema": "safecompile.verdict", "x": ' + b"[" * levels + b"]" * levels + b"}"
+
+
+@pytest.mark.parametrize("levels", [100, 200_000])
+def test_a_deeply_nested_verdict_file_is_ignored_not_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, levels: int
+) -> None:
+    """Item 11: a verdict file nested far deeper than any verdict (deep enough to make the
+    parser recurse past Python's limit, or just absurdly deep) is foreign: one warning,
+    and the guarded call answers eager's result instead of raising RecursionError."""
+    from safecompile.testing import FailingBackend
+
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
+    x = torch.randn(3)
+    safe_compile(score, backend=FailingBackend(), shadow=None)(x)  # persists a verdict
+    files = list((tmp_path / "verdicts").rglob("*.json"))
+    assert files
+    for path in files:
+        path.write_bytes(deep(levels))
+    with capture_logs() as logs:
+        g = safe_compile(score, backend=FailingBackend(), shadow=None)
+        assert torch.equal(g(x), score(x))
+    assert any("nested deeper" in e["reason"] for e in events(logs, "cache_file_ignored"))
+
+
+def test_a_deeply_nested_verdict_in_redis_is_ignored(remote_on: Any, tmp_path: Path) -> None:
+    """Item 11 through the remote tier."""
+    verdicts = _remote.remote_verdicts()
+    assert verdicts is not None
+    remote_on.hset(verdicts.name("ab" * 16), "", deep(200_000))
+    with capture_logs() as logs:
+        assert VerdictStore(tmp_path / "empty", remote=verdicts).get("ab" * 16) is None
+    (ignored,) = events(logs, "cache_file_ignored")
+    assert "nested deeper" in ignored["reason"]
+
+
+# ---------------------------------------------------------------- item 4: a cache error
+
+
+def test_a_cache_entry_torch_fails_on_is_not_a_compile_failure(
+    remote_on: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Item 4: a value under torch's key that torch fails on (here sealed with the key,
+    as a buggy key holder would write it; unsigned junk is already a miss) fails the
+    compile that read it. That is the cache's failure, not the function's: no
+    ``compile_failed`` verdict is persisted (locally or in Redis), the callable does not
+    trip, the failure is counted, and the next call compiles without the remote tier."""
+    from torch._inductor import remote_cache
+
+    transport = remote_cache.RedisRemoteCache("fx-graph-v1")
+    name = transport._get_key("graph")
+    key = signing.signer()
+    assert key is not None
+    remote_on.set(name, key.seal(_remote.TORCH_PURPOSE, name, b"{junk"))
+    reads: list[object] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        reads.append(remote_cache.RedisRemoteCache("fx-graph-v1").get("graph"))  # may raise
+        return gm.forward
+
+    x = torch.randn(3)
+    with capture_logs() as logs:
+        g = safe_compile(score, backend=backend, shadow=None)
+        assert torch.equal(g(x), score(x))  # the failed compile: eager answers
+        assert torch.equal(g(x), score(x))  # the retry, without the remote tier
+    assert reads == [None]  # the retry's lookup was a miss; the first one raised
+    assert g.safecompile.state.value == "compiled"
+    assert g.safecompile.stats().rollbacks == 0
+    assert _remote.cache_errors() == 1
+    assert len(events(logs, "remote_cache_error")) == 1
+    assert not list(remote_on.scan_iter(match=f"{_remote.VERDICT_PREFIX}*"))
+    assert not list(Path(os.environ[CACHE_ENV_VAR]).rglob("*.json"))

@@ -20,11 +20,13 @@ import torch
 
 from safecompile.base.model import Reason
 from safecompile.observe.source import error_type_name, safe_message
+from safecompile.persist import remote
 from safecompile.persist.cache import (
     Verdict,
     VerdictStore,
+    _ignored,
     artifact_key,
-    cache_root,
+    usable_root,
     use_torch_caches,
 )
 
@@ -55,6 +57,9 @@ class CompileTracker:
             if exclusive and any(thread != me for thread in self._depth):
                 return False
             self._depth[me] = self._depth.get(me, 0) + 1
+            outermost = self._depth[me] == 1
+        if outermost:
+            remote.mark_compile()  # what torch reads from Redis from here is this compile's
         self._on_change()
         return True
 
@@ -87,10 +92,13 @@ class KnownFailures:
     """Compile failures persisted under ``SAFECOMPILE_CACHE_DIR`` (a no-op without it)."""
 
     def __init__(self, target: Callable[..., Any], options: dict[str, Any]) -> None:
-        root = cache_root()
+        root = usable_root()
         self._store = VerdictStore(root) if root is not None else None
         if root is not None:
-            use_torch_caches(root)
+            try:
+                use_torch_caches(root)
+            except OSError as exc:  # a cache never fails a decoration
+                _ignored(root / "torch", f"cannot use: {type(exc).__name__}: {exc}")
         self._target = target
         self._options = options
         self._key: str | None = None
@@ -115,6 +123,12 @@ class KnownFailures:
             f"and device ({verdict.error_type}: {verdict.message}); not retried until "
             "one of them changes or reset()"
         )
+
+    @staticmethod
+    def cache_fault(error: BaseException) -> bool:
+        """Whether a compile failed on what torch read from its remote caches (then it is
+        not the function's failure: see :func:`safecompile.persist.remote.cache_fault`)."""
+        return remote.cache_fault(error)
 
     def persist(
         self, name: str, error: BaseException, args: tuple[Any, ...], kwargs: dict[str, Any]

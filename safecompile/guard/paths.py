@@ -331,6 +331,8 @@ def recover(
         _META_LOG.drop()  # torch's log of it while tracing is noise: eager's error says it
         raise user_error
     _META_LOG.replay()
+    if isinstance(failure, _COMPILE_ERRORS) and c._failures.cache_fault(failure):
+        return out  # the shared cache's fault: the next call compiles without it
     if isinstance(failure, _COMPILE_ERRORS):
         c._compile_failed(failure, args, kwargs)
         c._trip(Reason.COMPILE_ERROR, error=failure, bucket=entry.label if entry else None)

@@ -28,11 +28,11 @@ import getpass
 import hashlib
 import importlib.metadata
 import json
-import logging
 import math
 import os
 import platform
 import re
+import stat
 import sys
 import tempfile
 import threading
@@ -44,9 +44,9 @@ from typing import Any
 import torch
 
 from safecompile._version import __version__
-from safecompile.observe.log import log_event
 
 from .remote import RemoteVerdicts, remote_verdicts
+from .signing import Signer, owner_problem, signer, warn_ignored, warn_once
 
 __all__ = [
     "CACHE_ENV_VAR",
@@ -57,6 +57,7 @@ __all__ = [
     "code_fingerprint",
     "environment",
     "torch_cache_settings",
+    "usable_root",
     "use_torch_caches",
 ]
 
@@ -65,6 +66,7 @@ SCHEMA = "safecompile.verdict"
 SCHEMA_VERSION = 1
 
 _KEY_CHARS = 32  # hex digits of an artifact key (128 bits)
+MAX_JSON_DEPTH = 32  # a verdict nests 4 deep; anything far deeper is not ours
 _MAX_CODE_OBJECTS = 2000  # bound on the code walked for one fingerprint
 _ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_", "TORCH_DYNAMO_")
 # Settings that only say where things go (or which job this is), not what is compiled:
@@ -76,7 +78,6 @@ _LIBRARY_ROOTS = frozenset(
 )
 
 _lock = threading.Lock()
-_warned: set[str] = set()
 
 
 def cache_root() -> Path | None:
@@ -86,6 +87,45 @@ def cache_root() -> Path | None:
     if not value:
         return None
     return Path(os.path.expandvars(os.path.expanduser(value))).absolute()
+
+
+_SUBDIRS = ("torch", "verdicts", "artifacts")
+
+
+def usable_root() -> Path | None:
+    """:func:`cache_root` once it is safe and usable, else ``None`` with one warning: it
+    must be (or become) a directory this user owns that no other user can write (torch
+    unpickles what its caches there hold, as ssh refuses a key directory others can
+    write), and it must take a file (a read-only mount is refused, not fatal)."""
+    root = cache_root()
+    if root is None:
+        return None
+    problem = _root_problem(root)
+    if problem is None:
+        return root
+    warn_once(f"root:{root}", f"{CACHE_ENV_VAR}={root} is not used: {problem}")
+    return None
+
+
+def _root_problem(root: Path) -> str | None:
+    try:
+        root.mkdir(mode=0o700, parents=True, exist_ok=True)
+        for path in (root, *(root / name for name in _SUBDIRS)):
+            try:
+                info = os.stat(path)
+            except FileNotFoundError:
+                continue
+            if not stat.S_ISDIR(info.st_mode):
+                return f"{path} is not a directory"
+            problem = owner_problem(path, info)
+            if problem is not None:
+                return problem
+        fd, probe = tempfile.mkstemp(prefix=".probe.", dir=root)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        return f"cannot write there: {type(exc).__name__}: {exc}"
+    return None
 
 
 # ---------------------------------------------------------------- keys
@@ -418,7 +458,8 @@ class Verdict:
         )
 
 
-_FROM_ENV: Any = object()  # VerdictStore's remote tier: the environment's
+_FROM_ENV: Any = object()  # VerdictStore's remote tier and key: the environment's
+_PURPOSE = "verdict"
 
 
 class VerdictStore:
@@ -433,10 +474,22 @@ class VerdictStore:
     ``remote``: a fleet-wide tier (:mod:`._remote`; by default the one
     ``SAFECOMPILE_REMOTE_CACHE`` names, if any). Reads fall back to it when the local file
     is missing; writes and deletes go to both; it never fails a call.
+
+    ``signer``: the operator's key (:mod:`.signing`; by default the environment's). Every
+    document is signed when written and verified when read, wherever it was read from;
+    one that does not verify is ignored with one warning. Without a key the store reads
+    and writes nothing (one warning per process says so).
     """
 
-    def __init__(self, root: Path | str, *, remote: RemoteVerdicts | None = _FROM_ENV) -> None:
+    def __init__(
+        self,
+        root: Path | str,
+        *,
+        remote: RemoteVerdicts | None = _FROM_ENV,
+        signer: Signer | None = _FROM_ENV,
+    ) -> None:
         self.directory = Path(root) / "verdicts"
+        self.signer = _env_signer() if signer is _FROM_ENV else signer
         self.remote = remote_verdicts() if remote is _FROM_ENV else remote
 
     def path(self, key: str, scope: str = "") -> Path:
@@ -449,6 +502,8 @@ class VerdictStore:
     ) -> Verdict | None:
         """The verdict for ``(key, scope)``, or ``None`` (none, unreadable, foreign, or
         older than ``max_age`` seconds before ``now``)."""
+        if self.signer is None:
+            return None  # nothing unauthenticated is trusted
         path: Path | str = self.path(key, scope)
         doc = _read_json(self.path(key, scope))
         if doc is None and self.remote is not None:
@@ -465,6 +520,7 @@ class VerdictStore:
             if doc.get("key") != key or doc.get("scope") != scope:
                 raise ValueError("written for another key or scope")
             verdict = Verdict.from_dict(doc.get("verdict") or {})
+            self.signer.verify_doc(_PURPOSE, _doc_name(key, scope), doc)
         except (ValueError, TypeError, AttributeError) as exc:
             _ignored(path, f"foreign or invalid: {exc}")
             return None
@@ -473,7 +529,10 @@ class VerdictStore:
         return verdict
 
     def put(self, key: str, verdict: Verdict, scope: str = "") -> bool:
-        """Persist ``verdict`` for ``(key, scope)`` atomically; ``False`` if it failed."""
+        """Persist ``verdict`` for ``(key, scope)`` atomically, signed; ``False`` if it
+        failed (or there is no key)."""
+        if self.signer is None:
+            return False
         doc = {
             "schema": SCHEMA,
             "version": SCHEMA_VERSION,
@@ -481,7 +540,10 @@ class VerdictStore:
             "scope": scope,
             "verdict": verdict.to_dict(),
         }
-        data = json.dumps(doc, sort_keys=True, indent=1, default=str).encode()
+        # a JSON round trip first, so the MAC covers exactly what a reader will parse
+        doc = json.loads(json.dumps(doc, default=str))
+        doc = self.signer.sign_doc(_PURPOSE, _doc_name(key, scope), doc)
+        data = json.dumps(doc, sort_keys=True, indent=1).encode()
         written = _write_atomic(self.path(key, scope), data)
         shared = self.remote is not None and self.remote.put(key, scope, data)
         return written or shared
@@ -528,6 +590,22 @@ class VerdictStore:
         return removed
 
 
+def _env_signer() -> Signer | None:
+    found = signer()
+    if found is None:
+        warn_once(
+            "no-key",
+            f"{CACHE_ENV_VAR} without a key (SAFECOMPILE_CACHE_KEY or SAFECOMPILE_CACHE_KEY_FILE): "
+            "verdicts and torch's portable artifacts are neither written nor read; torch's "
+            "own on-disk caches still are",
+        )
+    return found
+
+
+def _doc_name(key: str, scope: str) -> str:
+    return f"{key}\0{scope}"
+
+
 def _key_dir(key: str) -> str:
     """A safe directory name for a key: itself when it is hex, else its hash."""
     if re.fullmatch(r"[0-9a-f]{8,128}", key):
@@ -543,30 +621,44 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     except OSError as exc:
         _ignored(path, f"unreadable: {type(exc).__name__}: {exc}")
         return None
-    try:
-        doc = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        _ignored(path, f"corrupt: {type(exc).__name__}: {exc}")
-        return None
-    if not isinstance(doc, dict):
-        _ignored(path, f"foreign: a JSON {type(doc).__name__}, not an object")
-        return None
-    return doc
+    return _decode_json(path, raw)
 
 
-def _decode_json(where: str, raw: bytes | None) -> dict[str, Any] | None:
-    """A verdict document read from the remote tier, or ``None`` (warned once if bad)."""
+def _decode_json(where: Path | str, raw: bytes | None) -> dict[str, Any] | None:
+    """A verdict document (from a file or the remote tier), or ``None`` (warned once if
+    bad). Nesting is bounded: a document nested deeper than ``MAX_JSON_DEPTH`` (or too
+    deep for the parser) is foreign, never a ``RecursionError``."""
     if raw is None:
         return None
     try:
         doc = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        _ignored(where, f"foreign: nested deeper than {MAX_JSON_DEPTH} levels")
+        return None
     except (UnicodeDecodeError, ValueError) as exc:
         _ignored(where, f"corrupt: {type(exc).__name__}: {exc}")
         return None
     if not isinstance(doc, dict):
         _ignored(where, f"foreign: a JSON {type(doc).__name__}, not an object")
         return None
+    if _too_deep(doc, MAX_JSON_DEPTH):
+        _ignored(where, f"foreign: nested deeper than {MAX_JSON_DEPTH} levels")
+        return None
     return doc
+
+
+def _too_deep(doc: object, limit: int) -> bool:
+    """Whether ``doc`` nests lists and objects more than ``limit`` deep (no recursion)."""
+    stack: list[tuple[object, int]] = [(doc, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(value, dict):
+            stack.extend((v, depth + 1) for v in value.values())
+        elif isinstance(value, list):
+            stack.extend((v, depth + 1) for v in value)
+    return False
 
 
 def _write_atomic(path: Path, data: bytes) -> bool:
@@ -592,14 +684,16 @@ def _write_atomic(path: Path, data: bytes) -> bool:
 
 def _ignored(path: Path | str, reason: str) -> None:
     """Warn once per file and reason; never raises."""
-    token = f"{path}\0{reason}"
-    with _lock:
-        if token in _warned:
-            return
-        _warned.add(token)
-    log_event(
-        "safecompile.cache_file_ignored", level=logging.WARNING, path=str(path), reason=reason
-    )
+    warn_ignored(path, reason)
+
+
+def _after_fork_in_child() -> None:
+    global _lock  # a lock another thread held at the fork stays held for good
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # ---------------------------------------------------------------- torch's caches

@@ -36,6 +36,8 @@ from typing import Any, TypeVar
 from safecompile.base.options import Clock
 from safecompile.observe.log import log_event
 
+from .signing import KEY_ENV_VAR, KEY_FILE_ENV_VAR, Signer, signer, warn_ignored
+
 __all__ = [
     "REMOTE_ENV_VAR",
     "RedisLink",
@@ -395,8 +397,16 @@ def _first_activation(url: str) -> RemoteVerdicts | None:
     if _import_redis() is None:
         _warn_once(url, "redis-py is not installed (pip install 'safecompile[redis]')")
         return None
+    key = signer()
+    if key is None:
+        _warn_once(
+            url,
+            f"no {KEY_ENV_VAR} (or {KEY_FILE_ENV_VAR}): torch's remote caches (torch unpickles "
+            "what they hold) and the shared verdicts stay off; see docs/security.md",
+        )
+        return None
     verdicts = RemoteVerdicts(link_for(url, "verdicts"))
-    torch_caches = use_torch_remote_caches(link_for(url, "torch caches"))
+    torch_caches = use_torch_remote_caches(link_for(url, "torch caches"), key)
     with _lock:
         _active.setdefault(url, verdicts)
     log_event(
@@ -437,6 +447,8 @@ def reset() -> None:
         _links.clear()
         _active.clear()
         _warned.clear()
+        _suspended.clear()
+        _cache_errors[0] = 0
         undo, _undo[:] = list(_undo), []
     for step in reversed(undo):
         step()
@@ -454,12 +466,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-def use_torch_remote_caches(link: RedisLink) -> list[str]:
+def use_torch_remote_caches(link: RedisLink, key: Signer) -> list[str]:
     """Switch torch's remote caches on over ``link``; the flags now on.
 
     The transport: ``link`` becomes the backend of torch's ``RedisRemoteCache`` (all of
     FX-graph, AOTAutograd and autotuning caches derive from it), so torch's lookups share
-    our short timeouts and breaker. The flags: each is set for every thread (its
+    our short timeouts and breaker, and every value is sealed with ``key`` when written
+    and verified before torch sees it (an entry that does not verify is a miss, with one
+    warning: torch unpickles what it reads). The flags: each is set for every thread (its
     environment variable, and the config entry's process-wide default when the config
     module is already imported; torch's config assignments are thread-local) unless the
     user set it.
@@ -469,7 +483,7 @@ def use_torch_remote_caches(link: RedisLink) -> list[str]:
     cls = remote_cache.RedisRemoteCache
     before = cls.__dict__.get("backend_override_cls")
     _undo.append(lambda: setattr(cls, "backend_override_cls", before))
-    cls.backend_override_cls = _torch_backend(link)
+    cls.backend_override_cls = _torch_backend(link, key)
     on: list[str] = []
     for env_name, module_name, attr in TORCH_FLAGS:
         if _set_torch_flag(env_name, module_name, attr):
@@ -503,23 +517,85 @@ def _restore_env(name: str, value: str | None) -> None:
         os.environ[name] = value
 
 
-def _torch_backend(link: RedisLink) -> Callable[[], Any]:
-    """A ``RemoteCacheBackend[bytes]`` factory over ``link`` (torch calls it per cache)."""
+TORCH_PURPOSE = "torch"  # the MAC's purpose for torch's remote-cache values
+
+_reads = threading.local()  # per thread: torch's values read from Redis, and a mark
+_suspended: list[str] = []  # why torch's reads from Redis are off in this process
+_cache_errors = [0]  # compiles that failed on what torch read from Redis
+
+
+def note_torch_hit() -> None:
+    """A value torch's caches read from Redis (verified) was handed to torch."""
+    _reads.count = getattr(_reads, "count", 0) + 1
+
+
+def mark_compile() -> None:
+    """A compile starts on this thread: :func:`read_since_mark` counts from here."""
+    _reads.mark = getattr(_reads, "count", 0)
+
+
+def read_since_mark() -> int:
+    """Values handed to torch from Redis on this thread since :func:`mark_compile`."""
+    return getattr(_reads, "count", 0) - getattr(_reads, "mark", 0)
+
+
+def cache_fault(error: BaseException) -> bool:
+    """A compile on this thread failed: whether it read from torch's remote caches since
+    it started. If so the failure is the cache's, not the function's: torch's reads from
+    Redis stay off in this process from now on (a retry compiles without them; writes go
+    on, so the fresh compile replaces the entry), it is counted, and one warning says so."""
+    if read_since_mark() <= 0:
+        return False
+    _reads.mark = getattr(_reads, "count", 0)
+    with _lock:
+        _cache_errors[0] += 1
+        first = not _suspended
+        _suspended.append(f"{type(error).__name__}: {error}"[:300])
+    if first:
+        log_event(
+            "safecompile.remote_cache_error",
+            level=logging.WARNING,
+            reason=_suspended[0],
+            action="a compile that read torch's remote caches failed: retried without them "
+            "(reads off in this process, writes on); not a verdict on the function",
+        )
+    return True
+
+
+def cache_errors() -> int:
+    """Compiles that failed on what torch read from Redis, in this process."""
+    return _cache_errors[0]
+
+
+def _torch_backend(link: RedisLink, signing: Signer) -> Callable[[], Any]:
+    """A ``RemoteCacheBackend[bytes]`` factory over ``link`` (torch calls it per cache),
+    sealing values with ``signing``'s key under their Redis key."""
     from torch._inductor.remote_cache import RemoteCacheBackend  # noqa: PLC0415
 
     class SafecompileRedisBackend(RemoteCacheBackend[bytes]):
         """torch's remote-cache transport over safecompile's :class:`RedisLink`."""
 
         def _get(self, key: str) -> bytes | None:
+            if _suspended:
+                return None  # after a cache error: compile without what Redis holds
             try:
                 value = link.run(lambda r: r.get(key))
             except RemoteUnavailableError:
                 return None
-            return value if isinstance(value, bytes) else None
+            if not isinstance(value, bytes):
+                return None
+            try:
+                data = signing.unseal(TORCH_PURPOSE, key, value)
+            except ValueError as exc:  # never handed to torch, which would unpickle it
+                warn_ignored(f"{redacted(link.url)} {key}", str(exc))
+                return None
+            note_torch_hit()
+            return data
 
         def _put(self, key: str, data: bytes) -> None:
+            sealed = signing.seal(TORCH_PURPOSE, key, data)
             try:
-                link.run(lambda r: r.set(key, data))
+                link.run(lambda r: r.set(key, sealed))
             except RemoteUnavailableError:
                 return
 

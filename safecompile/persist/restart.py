@@ -37,7 +37,8 @@ import torch
 
 from safecompile.observe.log import log_event
 
-from .cache import Verdict, VerdictStore, _write_atomic, artifact_key, cache_root
+from .bounded import read_file
+from .cache import Verdict, VerdictStore, _write_atomic, artifact_key, usable_root
 
 if TYPE_CHECKING:
     from safecompile.shapes.buckets import Bucketer, CutSpec, Plan
@@ -55,6 +56,9 @@ BUCKET_VERIFIED = "bucket_verified"
 BUCKET_REJECTED = "bucket_rejected"
 ARTIFACTS = "compile_artifacts"
 _ARTIFACTS_SCOPE = "torch.compiler.save_cache_artifacts"
+_ARTIFACTS_PURPOSE = "artifacts"  # the MAC's purpose for the artifact blob
+MAX_ARTIFACT_BYTES = 2 << 30
+ARTIFACT_READ_TIMEOUT_S = 30.0  # a blob of many graphs on a slow disk, never a hang
 
 
 def bucket_scope(key: object) -> str:
@@ -66,9 +70,9 @@ class Persisted:
     """One guarded callable's bucket verdicts and compile artifacts across restarts."""
 
     def __init__(self, target: Callable[..., Any], options: Mapping[str, Any]) -> None:
-        root = cache_root()
-        self._root = root
+        root = usable_root()
         self._store = VerdictStore(root) if root is not None else None
+        self._root = root if self._store is not None and self._store.signer else None
         self._target = target
         self._options = dict(options)
         self._key: str | None = None
@@ -126,6 +130,7 @@ class Persisted:
         if saved is None:
             return False
         try:
+            _check_cut(plan, saved)
             cuts = bucketer.restored_cuts(plan, padded_out, saved)
         except (BucketError, ValueError, TypeError, KeyError, IndexError):
             entry.restored = None  # the output changed since: learn and verify again
@@ -177,8 +182,19 @@ class Persisted:
         if written_from == _torch_cache_dir() and written_from and Path(written_from).is_dir():
             return  # torch's own cache holds them already
         path = self._blob(key)
+        signing = self._store.signer
         try:
-            blob = path.read_bytes()
+            sealed = read_file(path, limit=MAX_ARTIFACT_BYTES, timeout=ARTIFACT_READ_TIMEOUT_S)
+            if sealed is None:
+                return
+            if len(sealed) > MAX_ARTIFACT_BYTES:
+                raise ValueError(f"larger than {MAX_ARTIFACT_BYTES} bytes")
+            assert signing is not None  # no key, no _root
+            blob = signing.unseal(_ARTIFACTS_PURPOSE, key, sealed)  # torch unpickles it
+        except (OSError, ValueError) as exc:
+            _ignored(path, f"not loaded: {type(exc).__name__}: {exc}")
+            return
+        try:
             torch.compiler.load_cache_artifacts(blob)
         except Exception as exc:
             _warn(str(path), exc)
@@ -195,7 +211,10 @@ class Persisted:
                 return
             blob, _ = saved
             path = self._blob(key)
-            if not _write_atomic(path, blob):
+            signing = self._store.signer
+            if signing is None:
+                return
+            if not _write_atomic(path, signing.seal(_ARTIFACTS_PURPOSE, key, blob)):
                 return
             self._store.put(
                 key,
@@ -234,6 +253,45 @@ class Persisted:
             _warn("compile artifacts", exc)
 
 
+def _check_cut(plan: Plan, saved: list[Any]) -> None:
+    """``ValueError`` unless a restored cut is consistent with its bucket: well formed
+    (each tensor's path, padded shape, distinct cut dims within it, axes of the plan), and
+    every axis the plan pads is cut wherever an output keeps that axis's padded size (a
+    cut that keeps the pad rows would hand the caller padded results). A consistent cut
+    is then matched against the output itself by ``Bucketer.restored_cuts``."""
+    if not isinstance(saved, list):
+        raise ValueError("a cut is a list")
+    pairs = zip(plan.lengths, plan.sizes, strict=True)
+    padded = {a for a, (n, size) in enumerate(pairs) if n < size}
+    cut_axes: set[int] = set()
+    kept: set[int] = set()
+    for item in saved:
+        shape, cuts = _tensor_cut(plan, item)
+        cut_axes.update(cuts.values())
+        kept.update(
+            a for a in padded for i, n in enumerate(shape) if i not in cuts and n == plan.sizes[a]
+        )
+    if kept - cut_axes:
+        raise ValueError("the cut keeps padded rows of an axis it never cuts")
+
+
+def _tensor_cut(plan: Plan, item: Any) -> tuple[list[int], dict[int, int]]:
+    """One saved tensor's padded shape and its cut (dim to axis), once well formed."""
+    path, shape, cuts, contiguous = item
+    if not isinstance(path, str) or not isinstance(contiguous, bool):
+        raise ValueError("a cut's path is text and its contiguity a boolean")
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise ValueError("a cut's shape is a list of sizes")
+    found: dict[int, int] = {}
+    for d, a in cuts:
+        if type(d) is not int or type(a) is not int or not 0 <= d < len(shape) or d in found:
+            raise ValueError(f"cut dim {d!r} is not a distinct dim of shape {shape}")
+        if not 0 <= a < len(plan.sizes) or shape[d] != plan.sizes[a]:
+            raise ValueError(f"cut dim {d} does not hold a padded axis of the bucket")
+        found[d] = a
+    return shape, found
+
+
 def _torch_cache_dir() -> str | None:
     value = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     return str(Path(value).absolute()) if value else None
@@ -245,6 +303,12 @@ def _compile_lock() -> Any:
 
     lock = getattr(convert_frame, "compile_lock", None)
     return lock if lock is not None else threading.Lock()
+
+
+def _ignored(path: Path, reason: str) -> None:
+    log_event(
+        "safecompile.cache_file_ignored", level=logging.WARNING, path=str(path), reason=reason
+    )
 
 
 def _warn(what: str, exc: BaseException) -> None:

@@ -1,0 +1,199 @@
+"""Shared storage is code: what is read back from it is authenticated first.
+
+torch unpickles what its caches hold, and safecompile acts on its verdicts (a verified
+bucket's output cut, a known compile failure), so whoever can write the cache directory or
+the remote Redis could run code in, or change the results of, every process that reads it.
+Each entry safecompile writes there carries an HMAC-SHA256 under the operator's key, and is
+verified before its bytes reach torch or a decision:
+
+- ``SAFECOMPILE_CACHE_KEY``: the key itself (at least 16 characters), or
+- ``SAFECOMPILE_CACHE_KEY_FILE``: a file holding it (a Kubernetes secret, say; surrounding
+  whitespace dropped). The file must be a regular file, not writable by other users, owned
+  by this user or root; it is read once per process, with a timeout.
+
+The MAC covers a purpose (``"verdict"``, ``"artifacts"``, ``"torch"``), the entry's name
+(its artifact key and scope, or torch's Redis key) and the bytes, so an entry cannot be
+moved to another name or used for another purpose. Without a key nothing that would be
+trusted is read back: see ``docs/security.md`` for what still works.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import hmac
+import json
+import logging
+import os
+import stat
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from safecompile.observe.log import log_event
+
+from .bounded import read_file
+
+__all__ = [
+    "KEY_ENV_VAR",
+    "KEY_FILE_ENV_VAR",
+    "MIN_KEY_CHARS",
+    "Signer",
+    "signer",
+    "warn_ignored",
+    "warn_once",
+]
+
+KEY_ENV_VAR = "SAFECOMPILE_CACHE_KEY"
+KEY_FILE_ENV_VAR = "SAFECOMPILE_CACHE_KEY_FILE"
+MIN_KEY_CHARS = 16
+MAX_KEY_BYTES = 4096
+MAGIC = b"safecompile-hmac-v1\n"  # a sealed blob: MAGIC, 32 bytes of MAC, the data
+MAC_FIELD = "hmac"  # a signed JSON document's field holding the MAC (hex)
+
+_lock = threading.Lock()
+_warned: set[str] = set()
+_from_file: dict[str, bytes | None] = {}  # key files already read: path -> key
+
+
+@dataclasses.dataclass(frozen=True)
+class Signer:
+    """Signs and verifies entries under one key."""
+
+    secret: bytes = dataclasses.field(repr=False)
+    source: str  # where the key came from, for events (never the key)
+
+    def mac(self, purpose: str, name: str, data: bytes) -> bytes:
+        """The HMAC-SHA256 of ``data`` for ``purpose`` under ``name``."""
+        digest = hmac.new(self.secret, digestmod=hashlib.sha256)
+        for part in (purpose.encode(), name.encode("utf-8", "surrogateescape"), data):
+            digest.update(len(part).to_bytes(8, "little"))
+            digest.update(part)
+        return digest.digest()
+
+    def seal(self, purpose: str, name: str, data: bytes) -> bytes:
+        """``data`` with its MAC in front (see :meth:`unseal`)."""
+        return MAGIC + self.mac(purpose, name, data) + data
+
+    def unseal(self, purpose: str, name: str, blob: bytes) -> bytes:
+        """The data :meth:`seal` wrapped; ``ValueError`` saying why if it is not sealed
+        under this key, for this purpose and name."""
+        if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + 32:
+            raise ValueError("not signed (no safecompile HMAC)")
+        mac, data = blob[len(MAGIC) : len(MAGIC) + 32], blob[len(MAGIC) + 32 :]
+        if not hmac.compare_digest(mac, self.mac(purpose, name, data)):
+            raise ValueError(f"HMAC does not verify under {self.source} (tampered or another key)")
+        return data
+
+    def sign_doc(self, purpose: str, name: str, doc: Mapping[str, Any]) -> dict[str, Any]:
+        """``doc`` plus its MAC (over its canonical JSON) in the field ``hmac``."""
+        body = {k: v for k, v in doc.items() if k != MAC_FIELD}
+        return {**body, MAC_FIELD: self.mac(purpose, name, _canonical(body)).hex()}
+
+    def verify_doc(self, purpose: str, name: str, doc: Mapping[str, Any]) -> None:
+        """``ValueError`` unless ``doc`` carries a valid MAC (see :meth:`sign_doc`)."""
+        given = doc.get(MAC_FIELD)
+        if not isinstance(given, str):
+            raise ValueError("not signed (no safecompile HMAC)")
+        body = {k: v for k, v in doc.items() if k != MAC_FIELD}
+        want = self.mac(purpose, name, _canonical(body)).hex()
+        if not hmac.compare_digest(given, want):
+            raise ValueError(f"HMAC does not verify under {self.source} (tampered or another key)")
+
+
+def _canonical(doc: Mapping[str, Any]) -> bytes:
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str).encode()
+
+
+def signer() -> Signer | None:
+    """The operator's key as a :class:`Signer`, or ``None`` (no key, or one that cannot be
+    used: one warning each). The variables are read at each call; a key file once per path."""
+    value = os.environ.get(KEY_ENV_VAR, "")
+    if value.strip():
+        return _checked(value.strip().encode(), KEY_ENV_VAR)
+    path = os.environ.get(KEY_FILE_ENV_VAR, "").strip()
+    if not path:
+        return None
+    with _lock:
+        known = path in _from_file
+        secret = _from_file.get(path)
+    if not known:
+        secret = _read_key_file(Path(path))
+        with _lock:
+            _from_file[path] = secret
+    return _checked(secret, f"{KEY_FILE_ENV_VAR}={path}") if secret is not None else None
+
+
+def _checked(secret: bytes, source: str) -> Signer | None:
+    if len(secret) < MIN_KEY_CHARS:
+        warn_once(
+            f"short:{source}",
+            f"{source} is shorter than {MIN_KEY_CHARS} characters: not used as a key",
+        )
+        return None
+    return Signer(secret=secret, source=source)
+
+
+def _read_key_file(path: Path) -> bytes | None:
+    source = f"{KEY_FILE_ENV_VAR}={path}"
+    try:
+        data = read_file(path, limit=MAX_KEY_BYTES)
+        info = os.stat(path)
+    except OSError as exc:
+        warn_once(f"file:{path}", f"{source} cannot be read: {type(exc).__name__}: {exc}")
+        return None
+    problem = owner_problem(path, info, allow_root=True)
+    if data is None or problem is not None or len(data) > MAX_KEY_BYTES:
+        reason = problem or ("it does not exist" if data is None else "it is too large")
+        warn_once(f"file:{path}", f"{source} is not used: {reason}")
+        return None
+    return data.strip()
+
+
+def owner_problem(path: Path, info: os.stat_result, *, allow_root: bool = False) -> str | None:
+    """Why another user could change what ``path`` holds (owned by someone else, or
+    writable by group or others), or ``None`` when only this user (or root) can."""
+    uid = os.geteuid()
+    if info.st_uid != uid and not (allow_root and info.st_uid == 0):
+        return f"{path} is owned by uid {info.st_uid}, not this process's ({uid})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by other users (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def warn_once(token: str, reason: str) -> None:
+    """One ``safecompile.cache_untrusted`` warning per ``token`` and process."""
+    with _lock:
+        if token in _warned:
+            return
+        _warned.add(token)
+    log_event("safecompile.cache_untrusted", level=logging.WARNING, reason=reason)
+
+
+def warn_ignored(path: Path | str, reason: str) -> None:
+    """One ``safecompile.cache_file_ignored`` warning per entry and reason; never raises."""
+    token = f"ignored\0{path}\0{reason}"
+    with _lock:
+        if token in _warned:
+            return
+        _warned.add(token)
+    log_event(
+        "safecompile.cache_file_ignored", level=logging.WARNING, path=str(path), reason=reason
+    )
+
+
+def reset() -> None:
+    """Forget warnings given and key files read (for tests)."""
+    with _lock:
+        _warned.clear()
+        _from_file.clear()
+
+
+def _after_fork_in_child() -> None:
+    global _lock  # a lock another thread held at the fork stays held for good
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
