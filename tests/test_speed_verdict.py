@@ -1,8 +1,10 @@
-"""The speed verdict: per graph, compiled against eager on live calls (docs/speed.md).
+"""The speed verdict: the whole call, compiled against eager, on live calls (docs/speed.md).
 
-The statistics and the per-graph state run on injected latencies and a fake clock;
-end to end, a backend advances the fake clock by a set latency per run (its compiled
-arm) and per run of the graph's traced code (its eager arm): no timing, no flakiness.
+The statistics and the callable's verdict run on injected latencies (no clock); end to
+end, a fake clock moves by set latencies: the compiled path's graphs advance it (a
+backend), and the user's function advances it through a helper dynamo does not trace
+(so it is the eager arm's cost, and the code between graphs on the compiled path). No
+timing, no flakiness.
 """
 
 from __future__ import annotations
@@ -13,76 +15,72 @@ import os
 import random
 import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import pytest
 import torch
 
-from safecompile import ConfigError, Reason, Rollback, Shadow, State, Warmup, safe_compile
+from safecompile import Buckets, ConfigError, Reason, Rollback, Shadow, State, Warmup, safe_compile
 from safecompile.base.model import EventKind
 from safecompile.checks.speed import (
+    CallSpeed,
     Decision,
-    GraphSpeed,
     SpeedPolicy,
     Step,
     decide,
     median_interval,
     ratios,
-    serve,
 )
-from safecompile.testing import FakeClock
+from safecompile.testing import FakeClock, SlowBackend
 
-Latency = Callable[[int], float]  # seconds a run of call n takes
+Latency = Callable[[int], float]  # seconds call n takes
 
 
 class Sim:
-    """One graph's calls as the graph wrapper makes them, with injected latencies."""
+    """A callable's calls as the guard makes them, with injected latencies: a call goes
+    to the verdict only while it wants one; an eager verdict rolls back (eager serves)."""
 
-    def __init__(self, policy: SpeedPolicy, compiled: Latency, eager: Latency) -> None:
-        self.clock = FakeClock()
-        self.speed = GraphSpeed(policy)
+    def __init__(
+        self,
+        policy: SpeedPolicy,
+        compiled: Latency,
+        eager: Latency,
+        key: Callable[[int], Hashable] = lambda _n: "x",
+    ) -> None:
+        self.speed = CallSpeed(policy)
         self.compiled = compiled
         self.eager = eager
+        self.key = key
         self.n = 0
+        self.rolled_back = False
         self.arms: Counter[str] = Counter()
         self.verdicts: list[tuple[int, Decision]] = []
         self.log: list[str] = []  # the arm that served each call
+        self.pairs_keys: list[Hashable] = []
 
     def call(self) -> str:
         self.n += 1
         n = self.n
-        if n < self.speed.next_at:  # the wrapper's one compare
-            arm = self._run_compiled(n)
-        else:
-            arm = serve(
-                self.speed,
-                n,
-                False,
-                self._run_compiled,
-                self._run_eager,
-                (n,),
-                clock=self.clock,
-                sync=None,
-                on_eager=lambda: None,
-                on_verdict=lambda d: self.verdicts.append((n, d)),
-            )
+        step = Step.UNTIMED
+        if not self.rolled_back and self.speed.wants:
+            step = self.speed.plan(self.key(n))
+        eager = self.rolled_back or step is Step.TIME_EAGER
+        arm = "eager" if eager else "compiled"
+        seconds = self.eager(n) if eager else self.compiled(n)
+        if step is not Step.UNTIMED:
+            decision = self.speed.record(step, seconds)
+            if decision is not None:
+                self.verdicts.append((n, decision))
+                self.rolled_back = bool(decision.eager)
+        self.speed.add(1)
+        self.arms[arm] += 1
         self.log.append(arm)
         return arm
 
     def calls(self, count: int) -> None:
         for _ in range(count):
             self.call()
-
-    def _run_compiled(self, n: int) -> str:
-        self.clock.advance(self.compiled(n))
-        self.arms["compiled"] += 1
-        return "compiled"
-
-    def _run_eager(self, n: int) -> str:
-        self.clock.advance(self.eager(n))
-        self.arms["eager"] += 1
-        return "eager"
 
 
 def _policy(**kwargs: Any) -> SpeedPolicy:
@@ -160,7 +158,7 @@ def test_policy_is_validated(kwargs: dict[str, Any]) -> None:
         _policy(**kwargs)
 
 
-# ---------------------------------------------------------------- one graph, injected latencies
+# ---------------------------------------------------------------- the verdict, injected latencies
 
 
 def test_compiled_three_percent_slower_stays() -> None:
@@ -171,21 +169,20 @@ def test_compiled_three_percent_slower_stays() -> None:
     assert decision.eager is False
     assert decision.ratio == pytest.approx(1.03)
     assert decision.pairs == 16
-    assert sim.speed.eager is False
-    assert at == 128 + 15 * 8 + 1  # after the warm-up, 16 pairs one stride apart
-    assert set(sim.log[at : at + 1600]) == {"compiled"}  # nothing probed until the next round
+    assert not sim.rolled_back
+    assert at == 128 + 15 * 8 + 2  # after the warm-up, 16 pairs one stride apart
+    assert set(sim.log[at : at + 1590]) == {"compiled"}  # nothing probed until the next round
 
 
 @pytest.mark.parametrize("slower", [1.10, 2.0])
-def test_compiled_clearly_slower_goes_eager(slower: float) -> None:
-    """10% or 2x slower than eager: the graph runs eager from the verdict on."""
+def test_compiled_clearly_slower_rolls_back(slower: float) -> None:
+    """10% or 2x slower than eager: eager wins, and serves from the verdict on."""
     sim = Sim(_policy(), compiled=_const(slower), eager=_const(1.0))
     sim.calls(1000)
     (at, decision), *_ = sim.verdicts
     assert decision.eager is True
     assert decision.ratio == pytest.approx(slower)
-    assert sim.speed.eager is True
-    assert set(sim.log[at:]) == {"eager"}  # no compiled run until the next round
+    assert set(sim.log[at:]) == {"eager"}
 
 
 def test_equal_speed_stays_compiled() -> None:
@@ -193,23 +190,54 @@ def test_equal_speed_stays_compiled() -> None:
     sim = Sim(_policy(), compiled=_const(1.0), eager=_const(1.0))
     sim.calls(1000)
     assert [d.eager for _, d in sim.verdicts] == [False]
-    assert sim.speed.eager is False
 
 
 def test_no_timing_during_warm_up() -> None:
-    """The first warm_calls calls of a graph are served compiled and never timed."""
+    """The first warm_calls calls are served compiled and never timed."""
     sim = Sim(_policy(warm_calls=128), compiled=_const(5.0), eager=_const(1.0))
-    sim.calls(127)
-    assert sim.arms == Counter(compiled=127)
+    sim.calls(128)
+    assert sim.arms == Counter(compiled=128)
     assert sim.speed.timed == 0
+    assert sim.speed.wants  # the next call opens the first pair
 
 
-def test_due_calls_are_left_alone() -> None:
-    """A call whose shadow check is due is served by the serving arm, untimed."""
-    speed = GraphSpeed(_policy(warm_calls=0))
-    assert speed.plan(1, due=True) is Step.COMPILED
-    assert speed.timed == 0
-    assert speed.plan(2) in (Step.TIME_COMPILED, Step.TIME_EAGER)
+def test_pairs_are_made_of_like_calls() -> None:
+    """Calls of two groups, interleaved: each pair's two calls share a group (a half
+    pair waits for its partner), and the verdict pools the groups' ratios."""
+    speed = CallSpeed(_policy(warm_calls=0, min_pairs=4, max_pairs=4))
+    speed.add(0)
+    opened = speed.plan("a")
+    assert opened is Step.TIME_COMPILED
+    speed.record(opened, 2.0)
+    speed.add(1)
+    assert speed.plan("b") is Step.UNTIMED  # another group: not its partner
+    speed.add(1)
+    partner = speed.plan("a")
+    assert partner is Step.TIME_EAGER
+    assert speed.record(partner, 1.0) is None
+    assert speed.to_dict()["pairs"] == 1
+
+
+def test_a_half_pair_without_partner_expires() -> None:
+    """A group whose partner does not come within 8 strides is dropped: the next call,
+    of any group, opens a new pair."""
+    speed = CallSpeed(_policy(warm_calls=0))
+    speed.add(0)
+    speed.record(speed.plan("rare"), 1.0)
+    for _ in range(64):
+        speed.add(1)
+        assert speed.plan("common") is Step.UNTIMED
+    speed.add(1)
+    assert speed.plan("common") is Step.TIME_EAGER  # a new pair (eager opens it)
+
+
+def test_variable_traffic_still_pairs() -> None:
+    """Twenty groups in random order: pairs complete, and a 2x slower path is found."""
+    rng = random.Random(0)
+    sim = Sim(_policy(), compiled=_const(2.0), eager=_const(1.0), key=lambda _n: rng.randrange(20))
+    sim.calls(3000)
+    assert sim.verdicts
+    assert sim.verdicts[0][1].eager is True
 
 
 def _noisy(base: float, rng: random.Random) -> Latency:
@@ -241,182 +269,276 @@ def test_heavy_tailed_noise_still_sees_2x(seed: int) -> None:
     assert sim.verdicts[0][1].eager is True
 
 
-def test_reprobe_after_backoff_flips_back() -> None:
-    """Eager won; traffic changes so compiled wins: the next round, after its gap, flips
-    back to compiled. Rounds that agree wait twice as long each time."""
-    compiled_s = [2.0]
-    sim = Sim(_policy(), compiled=lambda _n: compiled_s[0], eager=_const(1.0))
-    while not sim.verdicts:
-        sim.call()
-    (first_at, first), *_ = sim.verdicts
-    assert first.eager is True
-    compiled_s[0] = 0.5  # new traffic: compiled is now twice as fast
-    sim.calls(100 * 16 - 1)
-    assert len(sim.verdicts) == 1  # the gap: pairs / budget calls
-    assert set(sim.log[first_at:]) == {"eager"}
-    sim.calls(400)
-    (second_at, second) = sim.verdicts[1]
-    assert second.eager is False
-    assert second.ratio == pytest.approx(0.5)
-    assert second_at >= first_at + 1600
-    assert sim.log[-50:] == ["compiled"] * 50
-    sim.calls(10_000)
+def test_rounds_back_off() -> None:
+    """Compiled keeps winning: each round that agrees waits twice as long as the last."""
+    sim = Sim(_policy(), compiled=_const(0.5), eager=_const(1.0))
+    sim.calls(20_000)
     at = [a for a, _ in sim.verdicts]
-    assert [d.eager for _, d in sim.verdicts] == [True, False, False, False]
-    # the flip starts the backoff again; each round that agrees waits twice as long
-    assert [b - a for a, b in itertools.pairwise(at[1:])] == [1600 + 121, 3200 + 121]
+    assert all(d.eager is False for _, d in sim.verdicts)
+    pair_span = 15 * 8 + 1  # from a round's start to its 16th pair's second call
+    assert [b - a for a, b in itertools.pairwise(at)] == [
+        1600 + pair_span,
+        3200 + pair_span,
+        6400 + pair_span,
+    ]
 
 
-@pytest.mark.parametrize(("compiled", "serving"), [(0.8, "compiled"), (1.5, "eager")])
-def test_steady_state_budget(compiled: float, serving: str) -> None:
-    """At steady state at most 1% of calls run on the slower arm; a round's burst is
-    bounded by max_pairs runs on it."""
+def test_restart_measures_again_after_the_warm_up() -> None:
+    """restart(): the round in progress and the backoff are forgotten; a new round
+    starts warm_calls calls later."""
+    speed = CallSpeed(_policy(warm_calls=10))
+    speed.add(10)
+    assert speed.wants
+    speed.plan("x")
+    speed.restart()
+    assert not speed.wants
+    assert speed.add(5) == 5
+    assert speed.add(5) == 0
+    assert speed.wants
+    assert speed.plan("x") is not Step.UNTIMED  # nothing stuck in flight
+
+
+def test_steady_state_budget() -> None:
+    """Compiled wins: at steady state at most 1% of calls are probes, and a round's
+    burst is bounded by max_pairs probes."""
     policy = _policy()
-    sim = Sim(policy, compiled=_const(compiled), eager=_const(1.0))
+    sim = Sim(policy, compiled=_const(0.8), eager=_const(1.0))
     sim.calls(200_000)
     first_at = sim.verdicts[0][0]
-    slower = "eager" if serving == "compiled" else "compiled"
-    assert sim.log[first_at:].count(slower) <= policy.max_pairs  # the first round's tail
     settled = sim.log[first_at:]
-    assert settled.count(slower) / len(settled) <= 0.01
+    assert settled.count("eager") / len(settled) <= 0.01
     assert sim.log[: policy.warm_calls].count("eager") == 0
-    round_one = sim.log[policy.warm_calls : first_at]
-    assert round_one.count("eager") <= policy.max_pairs
+    assert sim.log[policy.warm_calls : first_at].count("eager") <= policy.max_pairs
     assert sim.speed.probes <= 16 * len(sim.verdicts)
 
 
-def test_a_failed_timed_run_is_forgotten() -> None:
-    """A timed run that raises propagates, leaves no half pair behind and no run out:
-    the next call starts a new pair."""
-    speed = GraphSpeed(_policy(warm_calls=0))
-    clock = FakeClock()
-    runs = {"compiled": 0}
-
-    def compiled(*_args: Any) -> str:
-        runs["compiled"] += 1
-        clock.advance(1.0)
-        return "compiled"
-
-    def boom(*_args: Any) -> Any:
-        raise RuntimeError("eager raised")
-
-    def call(n: int) -> Any:
-        return serve(
-            speed,
-            n,
-            False,
-            compiled,
-            boom,
-            (),
-            clock=clock,
-            sync=None,
-            on_eager=lambda: None,
-            on_verdict=lambda _d: None,
-        )
-
-    assert call(1) == "compiled"  # the first half of a pair: compiled opens the first
-    with pytest.raises(RuntimeError, match="eager raised"):
-        call(2)  # its partner fails
+def test_a_failed_timed_call_is_forgotten() -> None:
+    """A timed call that raised (or could not be timed) leaves no half pair and nothing
+    in flight: the next call opens a new pair."""
+    speed = CallSpeed(_policy(warm_calls=0))
+    speed.add(0)
+    speed.record(speed.plan("x"), 1.0)  # compiled opens the first pair
+    speed.add(1)
+    assert speed.plan("x") is Step.TIME_EAGER
+    speed.abandon()  # its partner raised
     assert speed.timed == 1
-    assert speed.plan(3) is Step.TIME_EAGER  # a new pair (eager opens it), nothing stuck
+    speed.add(1)
+    assert speed.plan("x") is Step.TIME_EAGER  # a new pair (eager opens it), nothing stuck
+
+
+def test_one_timed_call_at_a_time() -> None:
+    """While a timed call is out (another thread), other calls are not timed."""
+    speed = CallSpeed(_policy(warm_calls=0))
+    speed.add(0)
+    assert speed.plan("x") is Step.TIME_COMPILED
+    assert speed.plan("x") is Step.UNTIMED
 
 
 # ---------------------------------------------------------------- end to end
 
+_SPEND = {"seconds": 0.0}
+_CLOCK: list[FakeClock] = []
 
-class LatencyBackend:
-    """A backend whose compiled runs take ``compiled(shape)`` fake seconds and whose
-    graphs, run eagerly, take ``eager`` (it wraps the graph's own ``forward``)."""
 
-    def __init__(self, clock: FakeClock, compiled: Callable[[int], float], eager: float) -> None:
-        self.clock = clock
-        self.compiled = compiled
-        self.eager = eager
+@torch._dynamo.disable  # type: ignore[untyped-decorator]
+def spend() -> None:
+    """The user's own work outside any graph: the eager arm's cost (and, on the compiled
+    path, the code between graphs)."""
+    if _CLOCK:
+        _CLOCK[-1].advance(_SPEND["seconds"])
 
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        forward = gm.forward
-        size = next(t.shape[0] for t in example_inputs if isinstance(t, torch.Tensor))
-        clock, eager_s, compiled_s = self.clock, self.eager, self.compiled(size)
 
-        def eager_run(*args: Any) -> Any:
-            clock.advance(eager_s)
-            return forward(*args)
-
-        def compiled_run(*args: Any) -> Any:
-            clock.advance(compiled_s)
-            return forward(*args)
-
-        gm.forward = eager_run  # type: ignore[method-assign]
-        return compiled_run
+@pytest.fixture
+def spending(clock: FakeClock) -> Any:
+    _CLOCK.append(clock)
+    _SPEND["seconds"] = 0.001
+    yield clock
+    _CLOCK.clear()
 
 
 def affine(x: torch.Tensor) -> torch.Tensor:
+    spend()
     return x * 2 + 1
 
 
-def test_per_graph_only_the_slow_graph_goes_eager(clock: FakeClock) -> None:
-    """Two graphs (two shapes): the slow one runs eager, the fast one stays compiled, the
-    callable stays up, every result equals eager's, and the verdicts say which graph."""
-    backend = LatencyBackend(clock, compiled=lambda n: 2.0 if n == 4 else 0.5, eager=1.0)
-    g = safe_compile(affine, backend=backend, dynamic=False, shadow=Shadow(canary=2), clock=clock)
-    slow, fast = torch.randn(4), torch.randn(8)
-    for _ in range(600):
-        for x in (slow, fast):
-            torch.testing.assert_close(g(x), affine(x), rtol=0, atol=0)
+def two_graphs(x: torch.Tensor) -> torch.Tensor:
+    y = x * 2
+    spend()  # a graph break: the graphs and the code between them are one call
+    return y + 1
+
+
+def _slower(clock: FakeClock, seconds: float) -> SlowBackend:
+    return SlowBackend(delay=seconds, sleep=clock.advance)
+
+
+def test_a_slower_call_rolls_back(spending: FakeClock) -> None:
+    """The whole compiled call takes 3 ms more than eager's 1 ms: rolled back (slower),
+    every result equals eager's, and the event gives the ratio over the pairs."""
+    g = safe_compile(two_graphs, backend=_slower(spending, 0.0015), clock=spending)
+    for _ in range(400):
+        x = torch.randn(4)
+        torch.testing.assert_close(g(x), two_graphs(x), rtol=0, atol=0)
+    c = g.safecompile
+    assert c.state is State.ROLLED_BACK
+    last = c.stats().last_rollback
+    assert last is not None
+    assert last.reason is Reason.SLOWER
+    assert "the whole call 4.000x eager's time" in (last.message or "")
+    assert "over 16 pairs" in (last.message or "")
+    verdict = next(e for e in c.events() if e.kind is EventKind.SPEED_VERDICT)
+    assert verdict.details["verdict"] == "eager"
+    assert verdict.function == "two_graphs"
+    stats = c.stats()
+    assert stats.calls == stats.compiled_calls + stats.eager_calls == 400
+    assert stats.extra["speed"]["probes"] == 16
+
+
+def test_a_faster_call_stays_compiled(spending: FakeClock) -> None:
+    """Compiled graphs cost nothing over the user's own work: compiled stays, and the
+    verdict is reported with its ratio."""
+    g = safe_compile(affine, backend=_slower(spending, 0.0), clock=spending)
+    for _ in range(400):
+        g(torch.randn(4))
     c = g.safecompile
     assert c.state is State.COMPILED
-    graphs = {r["inputs"]: r["speed"] for r in c.report()["graphs"]}
-    assert graphs["4:float32"]["serving"] == "eager"
-    assert graphs["4:float32"]["last"]["ratio"] == pytest.approx(2.0)
-    assert graphs["8:float32"]["serving"] == "compiled"
-    assert graphs["8:float32"]["last"]["ratio"] == pytest.approx(0.5)
-    verdicts = [e for e in c.events() if e.kind is EventKind.SPEED_VERDICT]
-    assert [(e.details["graph_inputs"], e.details["verdict"]) for e in verdicts] == [
-        ("4:float32", "eager"),
-        ("8:float32", "compiled"),
-    ]
-    assert "2.000x" in (verdicts[0].message or "")
-    assert verdicts[0].details["pairs"] == 16
-    assert verdicts[0].function == "affine"
-    stats = c.stats()
-    assert stats.calls == stats.compiled_calls + stats.eager_calls == 1200
-    assert stats.extra["speed"]["graphs_eager"] == 1
-    assert stats.rollbacks == 0
+    speed = c.report()["speed"]
+    assert speed["rounds"] == 1
+    assert speed["last"]["verdict"] == "compiled"
+    assert speed["last"]["ratio"] == pytest.approx(1.0)
+    assert c.stats().extra["speed"]["last_ratio"] == pytest.approx(1.0)
 
 
-def test_every_graph_slower_rolls_back(clock: FakeClock) -> None:
-    """One graph, compiled 2x slower: the callable rolls back (slower), and the event
-    names the graph and the ratio."""
-    backend = LatencyBackend(clock, compiled=lambda _n: 2.0, eager=1.0)
-    g = safe_compile(affine, backend=backend, dynamic=False, shadow=Shadow(canary=2), clock=clock)
-    x = torch.randn(4)
-    for _ in range(400):
+def test_every_call_checked_still_measures(spending: FakeClock) -> None:
+    """Shadow(every=1), every compiled call shadow-checked: a compiled path 3 ms slower
+    per call still rolls back (slower); the checks' own eager runs are not timed."""
+    g = safe_compile(
+        affine, backend=_slower(spending, 0.003), shadow=Shadow(every=1), clock=spending
+    )
+    for _ in range(600):
+        x = torch.randn(4)
         torch.testing.assert_close(g(x), affine(x), rtol=0, atol=0)
     c = g.safecompile
     assert c.state is State.ROLLED_BACK
     last = c.stats().last_rollback
     assert last is not None
     assert last.reason is Reason.SLOWER
-    assert "graph 1 (4:float32) 2.000x over 16 pairs" in (last.message or "")
+    assert "4.000x" in (last.message or "")
+    assert c.stats().shadow_checks > 100  # the compiled calls were checked meanwhile
 
 
-def test_no_probes_in_the_canary_or_first_calls(clock: FakeClock) -> None:
-    """The default routes nothing to eager in a graph's first calls: short tests keep
+_EFFECTS = {"n": 0}
+
+
+@torch._dynamo.disable  # type: ignore[untyped-decorator]
+def effect_once() -> None:
+    _EFFECTS["n"] += 1
+
+
+def test_probes_keep_side_effects_and_gradients(spending: FakeClock) -> None:
+    """A probe is the original function on the caller's own arguments: gradients reach
+    the caller, a side effect happens once."""
+
+    def effect(x: torch.Tensor) -> torch.Tensor:
+        effect_once()
+        spend()
+        return x * 2 + 1
+
+    _EFFECTS["n"] = 0
+    g = safe_compile(effect, backend=_slower(spending, 0.0), shadow=None, clock=spending)
+    for i in range(400):
+        x = torch.randn(4, requires_grad=True)
+        g(x).sum().backward()
+        assert x.grad is not None
+        torch.testing.assert_close(x.grad, torch.full((4,), 2.0))
+        assert _EFFECTS["n"] == i + 1
+    assert g.safecompile.stats().extra["speed"]["probes"] > 0
+    assert g.safecompile.stats().eager_calls > 0
+
+
+def viewed(x: torch.Tensor) -> torch.Tensor:
+    spend()
+    return x.view(2, 2)
+
+
+def test_a_probe_that_raises_is_the_users_error(spending: FakeClock) -> None:
+    """Eager raising on a probe is the caller's own error: raised unchanged, nothing
+    tripped, nothing left in flight, and the verdict goes on measuring."""
+    g = safe_compile(viewed, backend=_slower(spending, 0.0), shadow=None, clock=spending)
+    c = g.safecompile
+    for _ in range(128):
+        g(torch.randn(4))
+    assert c.report()["speed"]["measuring"] is True
+    g(torch.randn(4))  # opens a pair, on compiled
+    bad = torch.randn(3)  # the same group (sizes round up to 4): the partner, a probe
+    with pytest.raises(RuntimeError, match="invalid for input of size 3"):
+        g(bad)
+    assert (c.report()["speed"]["probes"], c.report()["speed"]["timed"]) == (1, 1)
+    assert c.state is State.COMPILED
+    for _ in range(400):
+        g(torch.randn(4))
+    assert c.report()["speed"]["rounds"] == 1
+    assert c.stats().rollbacks == 0
+
+
+def test_buckets_time_the_padded_call(spending: FakeClock) -> None:
+    """With buckets, the compiled arm is the padded call (pad, compiled, cut back), the
+    eager arm the unpadded one; pairs group by bucket."""
+
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        spend()
+        return x * 2
+
+    g = safe_compile(
+        rows,
+        backend=_slower(spending, 0.002),
+        buckets=Buckets(dims={"x": 0}, sizes=(4, 8)),
+        clock=spending,
+    )
+    for i in range(500):
+        x = torch.randn(3 + i % 5, 2)
+        torch.testing.assert_close(g(x), rows(x), rtol=0, atol=0)
+    last = g.safecompile.stats().last_rollback
+    assert last is not None
+    assert last.reason is Reason.SLOWER
+
+
+def test_recovery_measures_again(spending: FakeClock) -> None:
+    """After a slower trip, retry_after=0 brings the compiled path back at once, and
+    the verdict measures from scratch (the one entry point: restart_speed)."""
+    backend = _slower(spending, 0.003)
+    g = safe_compile(
+        affine, backend=backend, rollback=Rollback(retry_after=0), shadow=None, clock=spending
+    )
+    for _ in range(300):
+        g(torch.randn(4))
+    c = g.safecompile
+    assert c.stats().rollbacks == 1
+    backend.delay = 0.0  # the traffic changed: compiled is as fast as eager now
+    for _ in range(400):
+        g(torch.randn(4))
+    assert c.state is State.COMPILED
+    assert c.report()["speed"]["last"]["verdict"] == "compiled"
+
+
+def test_no_probes_in_the_first_calls(spending: FakeClock) -> None:
+    """The default routes nothing to eager in the first 128 calls: short tests keep
     exact counts, however slow compiled is."""
-    backend = LatencyBackend(clock, compiled=lambda _n: 5.0, eager=1.0)
-    g = safe_compile(affine, backend=backend, clock=clock)
-    for _ in range(100):
+    g = safe_compile(affine, backend=_slower(spending, 5.0), clock=spending)
+    for _ in range(128):
         g(torch.randn(4))
     stats = g.safecompile.stats()
-    assert (stats.compiled_calls, stats.eager_calls) == (100, 0)
+    assert (stats.compiled_calls, stats.eager_calls) == (128, 0)
     assert stats.extra["speed"]["timed"] == 0
 
 
-def test_slower_ratio_none_turns_it_off(clock: FakeClock) -> None:
+def test_slower_ratio_none_turns_it_off(spending: FakeClock) -> None:
     """Rollback(slower_ratio=None): nothing is timed or routed, compiled always serves."""
-    backend = LatencyBackend(clock, compiled=lambda _n: 5.0, eager=1.0)
     g = safe_compile(
-        affine, backend=backend, rollback=Rollback(slower_ratio=None), shadow=None, clock=clock
+        affine,
+        backend=_slower(spending, 5.0),
+        rollback=Rollback(slower_ratio=None),
+        shadow=None,
+        clock=spending,
     )
     for _ in range(1000):
         g(torch.randn(4))
@@ -424,24 +546,36 @@ def test_slower_ratio_none_turns_it_off(clock: FakeClock) -> None:
     assert (stats.compiled_calls, stats.eager_calls) == (1000, 0)
     assert stats.extra["speed"] == {
         "on": False,
-        "graphs_eager": 0,
         "probes": 0,
         "timed": 0,
         "rounds": 0,
+        "last_ratio": None,
     }
-    assert g.safecompile.report()["graphs"][0]["speed"] is None
+    assert g.safecompile.report()["speed"] is None
 
 
-def test_probes_keep_gradients(clock: FakeClock) -> None:
-    """A call the verdict serves eagerly gives the caller eager's gradients."""
-    backend = LatencyBackend(clock, compiled=lambda _n: 2.0, eager=1.0)
-    g = safe_compile(affine, backend=backend, shadow=None, clock=clock)
-    for _ in range(300):
-        x = torch.randn(4, requires_grad=True)
-        g(x).sum().backward()
-        assert x.grad is not None
-        torch.testing.assert_close(x.grad, torch.full((4,), 2.0))
-    assert g.safecompile.stats().eager_calls > 0
+def test_threads_count_every_call(spending: FakeClock) -> None:
+    """Four threads: every call is counted once in stats, and the verdict counts the
+    threads' calls together (each reports in batches) and times calls."""
+    g = safe_compile(affine, backend=_slower(spending, 0.0), shadow=None, clock=spending)
+    g(torch.randn(4))
+
+    def work() -> None:
+        for _ in range(500):
+            g(torch.randn(4))
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    c = g.safecompile
+    stats = c.stats()
+    assert stats.calls == 2001
+    speed = c.report()["speed"]
+    assert speed["calls"] <= 2001  # threads report in batches: never more than made
+    assert speed["calls"] >= 128  # enough reported to start a round
+    assert speed["timed"] >= 1
 
 
 # ---------------------------------------------------------------- background warmup priority
@@ -493,14 +627,14 @@ def test_warmup_nice_is_validated(nice: object) -> None:
         Warmup(inputs=[], nice=nice)  # type: ignore[arg-type]
 
 
-def test_a_slower_trip_with_retry_after_recovers_and_backs_off(clock: FakeClock) -> None:
-    """After a ``slower`` rollback, the trial runs the compiled path it tries (not the
-    graph's eager arm): one retry, the callable recovers, its speed is measured afresh;
-    still slower, it trips again soon after, with a doubled wait (calls of 1-2 ms)."""
-    backend = LatencyBackend(clock, compiled=lambda _n: 0.002, eager=0.001)
+def test_a_slower_trip_with_retry_after_recovers_and_backs_off(spending: FakeClock) -> None:
+    """After a ``slower`` rollback, the trial runs the compiled path it tries: one retry,
+    the callable recovers, its speed is measured afresh; still slower, it trips again
+    soon after, with a doubled wait (calls of 1-2 ms)."""
+    clock = spending
     g = safe_compile(
         affine,
-        backend=backend,
+        backend=_slower(clock, 0.001),
         dynamic=False,
         shadow=Shadow(canary=2),
         rollback=Rollback(retry_after=10),
@@ -527,9 +661,9 @@ def test_a_slower_trip_with_retry_after_recovers_and_backs_off(clock: FakeClock)
     assert kinds[-2:] == [EventKind.RETRY, EventKind.RECOVERED]
     assert c.state in (State.CANARY, State.COMPILED)
     assert c.stats().compiled_calls - compiled_before == 50  # the trial and every call after
-    graph = c.report()["graphs"][0]["speed"]
-    assert graph["serving"] == "compiled"
-    assert graph["measuring"] is False  # measured afresh, after its warm-up
+    speed = c.report()["speed"]
+    assert speed["measuring"] is False  # measured afresh, after its warm-up
+    assert speed["last"] is None
     calls(400)  # still 2x slower: a new verdict, and a longer wait (backoff)
     again = c.stats().last_rollback
     assert c.state is State.ROLLED_BACK

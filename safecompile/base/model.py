@@ -57,7 +57,7 @@ class EventKind(str, enum.Enum):
     SWITCH_WARNING = "switch_warning"  # the kill switch's value looks like a mistake
     RESET = "reset"
     WARMUP_FAILED = "warmup_failed"  # a warmup example raised in eager too
-    SPEED_VERDICT = "speed_verdict"  # a graph's speed verdict: it runs compiled or eager
+    SPEED_VERDICT = "speed_verdict"  # a round of the speed verdict: compiled stays or eager won
 
     def __str__(self) -> str:
         return self.value

@@ -556,10 +556,10 @@ class Rollback:
 
     Past ``max_recompiles`` graphs, new shapes run eager (the graphs already made keep
     serving); ``None`` (default) is 8, or with ``Buckets`` enough graphs for every
-    bucket (:attr:`recompile_limit` reads it). ``slower_ratio`` (on by default): a
-    compiled graph measured slower than the same graph run eagerly by more than that
-    ratio, on live calls, runs eager from then on (the other graphs stay compiled); when
-    every graph is slower, the callable rolls back (``slower``). It is measured on a
+    bucket (:attr:`recompile_limit` reads it). ``slower_ratio`` (on by default): the
+    compiled path measured slower than eager by more than that ratio — the whole call the
+    user makes against the original function, on paired live calls — rolls back
+    (``slower``). It is measured on a
     bounded share of live calls (at most 1% at steady state; a verdict reads
     ``slower_min_samples`` pairs at least, at most 128; docs/speed.md),
     and measured again later, with backoff. ``None`` turns it off.

@@ -1,32 +1,33 @@
-"""The speed verdict: per graph, is the compiled run slower than the same graph run eagerly?
+"""The speed verdict: is the compiled path slower than eager, for the call the user makes?
 
-A graph's wrapper (:mod:`._graphs`) serves most calls without looking here: it compares
-the graph's call count with :attr:`GraphSpeed.next_at` (one integer compare). When the
-count reaches it, :func:`serve` asks the graph's :class:`GraphSpeed` what this call does:
+It judges the *whole call*: on the compiled path, dynamo's frame evaluation and guards,
+the guard's wrappers, every graph and the eager code between them, bucket padding and
+cutting back; against the same call run eagerly (the original function, no dynamo).
+Both arms are live calls: a call routed to eager (a *probe*) gives its caller eager's
+values, side effects and gradients, so a probe is always a correct call.
 
-- run the serving arm untimed (compiled, or eager once eager won);
-- time the compiled run, or route this live call to eager and time it (a *probe*: the
-  caller gets eager's result, with eager's side effects and gradients).
+Measuring happens in *rounds*. A round times *pairs*: two live calls of the same group
+(the caller's key: the same bucket, shapes, dtypes and grad mode, so the same graphs
+serve them), one on each arm, close in time (the partner must come within
+``8 * stride`` calls, or the half pair is dropped); which arm opens a pair alternates,
+and a pair opens at most every ``stride`` calls. At ``min_pairs`` pairs, at each
+doubling of it and at ``max_pairs`` (few looks, so that looking often does not multiply
+the false verdicts), :func:`decide` reads the ratios ``compiled / eager`` of the pairs:
+a distribution-free confidence interval for their median (order statistics of the sign
+test) decides "eager wins" when its lower end is above ``ratio``, "compiled stays" when
+its upper end is at most ``ratio``; undecided at ``max_pairs``, compiled keeps serving.
+One outlier on either arm moves one ratio, never the median. Ratios are scale-free, so
+pairs of different groups pool into one verdict. The first ``warm_calls`` calls are
+never timed (warm-up).
 
-Measuring happens in *rounds*. A round times *pairs*: a compiled run and an eager run
-of the same graph on two consecutive calls (which arm goes first alternates), one pair
-every ``stride`` calls, so the two arms see the same traffic, close in time. At
-``min_pairs`` pairs, at each doubling of it and at ``max_pairs`` (few looks, so that
-looking often does not multiply the false verdicts), :func:`decide` reads the ratios
-``compiled / eager`` of the pairs: a distribution-free confidence interval for their
-median (order statistics of the sign test) decides "eager wins" when its lower end is
-above ``ratio``, "compiled stays" when its upper end is at most ``ratio``; undecided at
-``max_pairs``, the serving arm is kept. One outlier on either arm moves one ratio, never
-the median. The first ``warm_calls`` calls of a graph are never timed
-(warm-up), nor any call whose shadow check is due.
+After a verdict for compiled, the next round waits ``pairs / budget`` calls, doubled for
+each round that agreed with the last one (up to ``max_backoff`` times): each round routes
+at most ``pairs`` calls to eager, so at steady state at most ``budget`` of the calls
+(1%) are probes. A verdict for eager is the caller's to act on (the guard rolls back,
+reason ``slower``); :meth:`CallSpeed.restart` measures from scratch when the compiled
+path serves again.
 
-After a verdict the next round waits ``pairs / budget`` calls, doubled for each round
-that agreed with the last one (up to ``max_backoff`` times): each round routes ``pairs``
-calls to the arm that is not serving, so at steady state at most ``budget`` of the
-calls (1%) run on the slower arm. A round is a bounded burst: at most ``max_pairs``
-probes, one every ``stride`` calls.
-
-Everything here is pure: no torch, no real clock. The caller passes the clock.
+Everything here is pure: no torch, no clock. The caller times the calls.
 """
 
 from __future__ import annotations
@@ -35,21 +36,18 @@ import enum
 import math
 import statistics
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
+    "CallSpeed",
     "Decision",
-    "GraphSpeed",
     "SpeedPolicy",
     "Step",
     "decide",
     "median_interval",
-    "serve",
 ]
-
-_FOREVER = 1 << 62
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -59,8 +57,8 @@ class SpeedPolicy:
     ratio: float  # compiled / eager above this: eager wins
     min_pairs: int = 16
     max_pairs: int = 128
-    warm_calls: int = 128  # calls of a new graph never timed (warm-up, canary)
-    stride: int = 8  # calls from one pair to the next within a round
+    warm_calls: int = 128  # first calls never timed (warm-up, canary)
+    stride: int = 8  # calls from one pair's start to the next within a round
     budget: float = 0.01  # share of calls on the arm that is not serving, at steady state
     max_backoff: int = 64  # the gap between rounds grows up to this many times
     confidence: float = 0.99  # per look; looks at min_pairs, 2x, 4x ... and max_pairs
@@ -187,188 +185,171 @@ def _is_look(n: int, policy: SpeedPolicy) -> bool:
     return multiple & (multiple - 1) == 0
 
 
-# ---------------------------------------------------------------- per-graph state
+# ---------------------------------------------------------------- the callable's verdict
 
 
 class Step(enum.Enum):
-    """What one call of a graph does."""
+    """What one call does, as the verdict plans it."""
 
-    COMPILED = "compiled"  # the compiled run, untimed
-    EAGER = "eager"  # the graph's traced code run eagerly, untimed
-    TIME_COMPILED = "time_compiled"
-    TIME_EAGER = "time_eager"
+    UNTIMED = "untimed"  # the serving path, untimed
+    TIME_COMPILED = "time_compiled"  # the compiled path, timed
+    TIME_EAGER = "time_eager"  # a probe: the original function, timed
 
 
-class GraphSpeed:
-    """The speed verdict of one graph; thread-safe. ``n`` is the graph's call count."""
+@dataclass(slots=True)
+class _Half:
+    """The first call of a pair: its group, its arm, its time (``None`` while it runs)."""
 
-    def __init__(self, policy: SpeedPolicy, *, calls: int = 0) -> None:
+    key: Hashable
+    eager: bool
+    at: int  # the call count when it was planned
+    seconds: float | None = None
+
+
+class CallSpeed:
+    """The speed verdict of one guarded callable (see the module doc); thread-safe.
+
+    The caller counts calls with :meth:`add` (cheaply, in batches), asks :meth:`plan`
+    on the calls it routes here while :attr:`wants` is true, and reports each timed call
+    with :meth:`record` (or :meth:`abandon`).
+    """
+
+    def __init__(self, policy: SpeedPolicy) -> None:
         self.policy = policy
         self._lock = threading.Lock()
-        self.eager = False  # the arm that serves: False compiled, True eager
-        self.next_at = calls + policy.warm_calls  # the hot path comes here from this call
-        self._round_at = self.next_at
-        self._block_at = 0
-        self._measuring = False
-        self._in_flight = False  # a timed run is out (one at a time, across threads)
-        self._half: tuple[bool, float] | None = None  # (eager arm?, seconds) of a pair
+        self.calls = 0  # calls counted so far
+        self.measuring = False
+        self.wants = False  # the next call should come to plan()
+        self._round_at = policy.warm_calls
+        self._open_at = 0  # within a round: the call count that may open the next pair
+        self._half: _Half | None = None
+        self._in_flight = False  # a timed call is out (one at a time, across threads)
         self._eager_first = False  # which arm opens the next pair (alternates)
         self._pairs: list[tuple[float, float]] = []
         self._agreeing = 0  # rounds in a row with the same verdict (the backoff)
         self.rounds = 0
-        self.probes = 0  # calls routed to the arm that was not serving
+        self.probes = 0  # calls routed to eager
         self.timed = 0
         self.last: Decision | None = None
 
-    def restart(self, calls: int) -> None:
-        """Forget the verdict (the callable recovered after a trip): compiled serves, and
-        a new round starts after the warm-up."""
+    def add(self, calls: int) -> int:
+        """Count ``calls`` more calls; returns how many more may pass before a call
+        should come to :meth:`plan` (0: now, :attr:`wants` is true)."""
         with self._lock:
-            self.eager = False
-            self._measuring = False
-            self._half = None
-            self._in_flight = False
-            self._agreeing = 0
-            self._round_at = self.next_at = calls + self.policy.warm_calls
-
-    def plan(self, n: int, *, due: bool = False) -> Step:
-        """What call number ``n`` of the graph does (asked once ``n >= next_at``).
-
-        ``due``: a shadow check is due on this call; it is served by the serving arm,
-        untimed.
-        """
-        with self._lock:
-            serving = Step.EAGER if self.eager else Step.COMPILED
-            if due or self._in_flight:
-                return serving
-            if not self._measuring:
-                if n < self._round_at:
-                    return serving
-                self._measuring = True
+            self.calls += calls
+            if not self.measuring and self.calls >= self._round_at:
+                self.measuring = True
                 self._pairs = []
                 self._half = None
-                self._block_at = n
-            if self._half is None and n < self._block_at:
-                return serving
-            if self._half is None:
+                self._open_at = self.calls
+            return self._left()
+
+    def _left(self) -> int:
+        if not self.measuring:
+            self.wants = False
+            return self._round_at - self.calls
+        if self._half is not None:
+            if self.calls - self._half.at > self._horizon():
+                self._half = None  # its partner did not come in time: drop it
+            else:
+                self.wants = True
+                return 0
+        left = self._open_at - self.calls
+        self.wants = left <= 0
+        return max(left, 0)
+
+    def _horizon(self) -> int:
+        return self.policy.stride * 8
+
+    def plan(self, key: Hashable) -> Step:
+        """What this call (already counted) does. ``key`` groups like calls (the same
+        graphs, bucket, shapes): a pair's two calls share it."""
+        with self._lock:
+            if not self.measuring or self._in_flight or self._left() > 0:
+                return Step.UNTIMED
+            half = self._half
+            if half is not None and half.key != key:
+                return Step.UNTIMED  # waiting for the partner of the open half
+            if half is None:
                 eager = self._eager_first
                 self._eager_first = not eager
+                self._half = _Half(key, eager, self.calls)
             else:
-                eager = not self._half[0]
+                eager = not half.eager
             self._in_flight = True
-            if eager != self.eager:
+            if eager:
                 self.probes += 1
             return Step.TIME_EAGER if eager else Step.TIME_COMPILED
 
     def abandon(self) -> None:
-        """A timed run raised: forget it (and the half pair it belonged to)."""
+        """A timed call could not be timed (it raised, compiled, or ran eagerly): forget
+        it, and the pair it belonged to."""
         with self._lock:
             self._in_flight = False
             self._half = None
-            self._set_next(self._block_at)
+            self._left()
 
-    def record(self, step: Step, seconds: float, n: int) -> Decision | None:
-        """A timed run of call ``n`` took ``seconds``; returns a new verdict, if any."""
-        eager = step is Step.TIME_EAGER
+    def record(self, step: Step, seconds: float) -> Decision | None:
+        """A timed call took ``seconds``; returns the round's verdict, if it has one."""
         with self._lock:
             self._in_flight = False
             self.timed += 1
-            if self._half is None:
-                self._half = (eager, seconds)
-                self._set_next(n + 1)  # its partner: the graph's next call
+            half = self._half
+            if half is None or step is Step.UNTIMED:
+                self._left()
                 return None
-            first_eager, first_s = self._half
+            if half.seconds is None:  # the first call of the pair
+                half.seconds = seconds
+                self._left()
+                return None
             self._half = None
-            if first_eager == eager:  # cannot happen; never pair an arm with itself
-                self._set_next(n + 1)
-                return None
-            compiled_s, eager_s = (seconds, first_s) if first_eager else (first_s, seconds)
-            self._pairs.append((compiled_s, eager_s))
-            self._block_at = n - 1 + self.policy.stride  # from the pair's first call
-            decision = decide(self._pairs, self.policy, current_eager=self.eager)
-            if decision.eager is None:
-                self._set_next(self._block_at)
-                return None
-            self._conclude(decision, n)
-            return decision
+            first_s = half.seconds
+            pair = (first_s, seconds) if not half.eager else (seconds, first_s)
+            self._pairs.append(pair)
+            self._open_at = half.at + self.policy.stride
+            decision = decide(self._pairs, self.policy)
+            if decision.eager is not None:
+                self._conclude(decision)
+            self._left()
+            return decision if decision.eager is not None else None
 
-    def _conclude(self, decision: Decision, n: int) -> None:
-        assert decision.eager is not None
+    def _conclude(self, decision: Decision) -> None:
         policy = self.policy
-        same = self.rounds > 0 and decision.eager == self.eager
+        same = self.last is not None and decision.eager == self.last.eager
         self._agreeing = self._agreeing + 1 if same else 0
-        self.eager = decision.eager
-        self._measuring = False
+        self.measuring = False
         self._pairs = []
         self.rounds += 1
         self.last = decision
         backoff = min(2 ** min(self._agreeing, 62), policy.max_backoff)
-        gap = math.ceil(decision.pairs / policy.budget) * backoff
-        self._round_at = n + gap
-        self._set_next(self._round_at)
+        self._round_at = self.calls + math.ceil(decision.pairs / policy.budget) * backoff
 
-    def _set_next(self, at: int) -> None:
-        # An eager-serving graph comes here on every call: the wrapper runs its eager arm.
-        self.next_at = 0 if self.eager else at
+    def restart(self) -> None:
+        """Measure from scratch (the compiled path serves again after a trip): a new
+        round starts after the warm-up."""
+        with self._lock:
+            self.measuring = False
+            self._half = None
+            self._in_flight = False
+            self._pairs = []
+            self._agreeing = 0
+            self.last = None
+            self._round_at = self.calls + self.policy.warm_calls
+            self._left()
 
     def to_dict(self) -> dict[str, Any]:
-        """For ``report()``: the arm that serves, the last verdict, what it cost."""
+        """For ``report()``: the round in progress, the last verdict, what it cost."""
         with self._lock:
             return {
-                "serving": "eager" if self.eager else "compiled",
-                "measuring": self._measuring,
+                "measuring": self.measuring,
                 "pairs": len(self._pairs),
                 "rounds": self.rounds,
                 "probes": self.probes,
                 "timed": self.timed,
-                "next_round_at_call": self._round_at if not self._measuring else None,
+                "calls": self.calls,
+                "next_round_at_call": None if self.measuring else self._round_at,
                 "last": self.last.to_dict() if self.last is not None else None,
             }
-
-
-def serve(
-    speed: GraphSpeed,
-    n: int,
-    due: bool,
-    compiled: Callable[..., Any],
-    eager: Callable[..., Any],
-    args: tuple[Any, ...],
-    *,
-    clock: Callable[[], float],
-    sync: Callable[[], None] | None,
-    on_eager: Callable[[], None],
-    on_verdict: Callable[[Decision], None],
-) -> Any:
-    """Run call ``n`` of a graph as its :class:`GraphSpeed` says, timing it if asked.
-
-    ``on_eager`` is told when the eager arm serves the call (so it is counted as eager);
-    ``on_verdict`` when a round reaches a verdict. ``sync`` waits for queued device work
-    (``None`` on CPU), so a timing covers the work and not its launch.
-    """
-    step = speed.plan(n, due=due)
-    if step is Step.COMPILED:
-        return compiled(*args)
-    if step is Step.EAGER:
-        on_eager()
-        return eager(*args)
-    run = eager if step is Step.TIME_EAGER else compiled
-    if step is Step.TIME_EAGER:
-        on_eager()
-    try:
-        if sync is not None:
-            sync()
-        started = clock()
-        out = run(*args)
-        if sync is not None:
-            sync()
-        elapsed = clock() - started
-    except BaseException:
-        speed.abandon()
-        raise
-    decision = speed.record(step, elapsed, n)
-    if decision is not None:
-        on_verdict(decision)
-    return out
 
 
 def _round(value: float) -> float | None:

@@ -24,8 +24,9 @@ import torch
 from safecompile.base import killswitch as ks
 from safecompile.base.model import Event, EventKind, Reason, State, Stats
 from safecompile.base.options import CompilerFn, Options
+from safecompile.base.policies import FOREVER
 from safecompile.checks.snapshot import Snapshot
-from safecompile.checks.speed import Decision, SpeedPolicy
+from safecompile.checks.speed import CallSpeed, Decision, SpeedPolicy, Step
 from safecompile.fleet.ranks import Agreement
 from safecompile.observe.explain import Explanation, explain
 from safecompile.observe.progress import Compiling, watch_compile
@@ -45,6 +46,7 @@ from safecompile.shapes.table import BucketTable
 from .backend import compile_function, own_frame
 from .compiles import CompileTracker, KnownFailures
 from .graphs import (
+    CallSlot,
     GraphHooks,
     GraphRecord,
     GraphTable,
@@ -60,6 +62,7 @@ from .trips import TripHooks, Trips
 __all__ = ["Controller", "Gate", "Sink", "WarmCall"]
 
 _MAX_EVENTS = 256
+_TICK = 1024  # at most this many calls of a thread between reports to the speed verdict
 
 WarmCall = Callable[["Controller", tuple[Any, ...], dict[str, Any]], object]
 """One warmup call down the slow path (:func:`safecompile.guard.paths.warm_call`: the
@@ -250,7 +253,7 @@ class Controller:
                 extra={
                     "latency": shadow.latency,
                     "shadow_queue_full": shadow.queue_full,
-                    "speed": _speed_figures(graphs, on=self._speed_policy is not None),
+                    "speed": _speed_figures(self._speed),
                 },
             )
 
@@ -328,7 +331,8 @@ class Controller:
         serve on, so resets never pile up cache entries, graphs or backends.
         """
         with self._lock:
-            self._table = GraphTable(self._shadow_policy, self._speed_policy)
+            self._table = GraphTable(self._shadow_policy)
+            self._speed = CallSpeed(self._speed_policy) if self._speed_policy is not None else None
             for code in self._backend.restart(self._hooks()):  # ours, resume functions too
                 torch._dynamo.reset_code(code)  # type: ignore[attr-defined]
             time_tracing()
@@ -357,6 +361,7 @@ class Controller:
             "retry_at": self._trips.breaker.retry_at,
             "stats": self.stats().to_dict(),
             "graphs": [g.to_dict() for g in self._table],
+            "speed": self._speed.to_dict() if self._speed is not None else None,
             "buckets": self._buckets.report() if self._buckets is not None else {},
             "bucketing": self._buckets.summary() if self._buckets is not None else None,
             "events": [e.to_dict() for e in self.events()],
@@ -386,14 +391,14 @@ class Controller:
             snapshot=self._snapshot,
             bucket_label=lambda: getattr(self._slots.local, "bucket", None),
             clock=self._clock,
-            on_speed=self._on_speed,
             announce=self._announce_compile,
         )
 
     def _build(self) -> None:
         """A graph table, and the compiled function whose backend fills it (once: a
         ``reset()`` gives the same backend a fresh table)."""
-        self._table = GraphTable(self._shadow_policy, self._speed_policy)
+        self._table = GraphTable(self._shadow_policy)
+        self._speed = CallSpeed(self._speed_policy) if self._speed_policy is not None else None
         time_tracing()
         limit = self._rollback_policy.recompile_limit
         opts = self._opts
@@ -436,6 +441,7 @@ class Controller:
                 and not self._warmups
                 and self._background.is_set()
                 and len(self._table) > 0
+                and not (self._speed is not None and self._speed.wants)
             )
 
     def _background_warmup(self, *, pending: bool) -> None:
@@ -558,7 +564,10 @@ class Controller:
     def _restart_speed(self) -> None:
         """The speed verdict starts afresh (a trial, a recovery): compiled serves, and a
         new measurement starts after the warm-up."""
-        self._table.restart_speed()
+        if self._speed is not None:
+            self._speed.restart()
+            self._slots.remark()
+            self._update_gate()
 
     def _last_reason(self) -> Reason | None:
         last = self._last_rollback
@@ -714,9 +723,42 @@ class Controller:
         if graph.unchecked is not None and self._shadow_policy is not None:
             self._shadow.skip_graph(graph, graph.unchecked)
 
-    def _on_speed(self, graph: GraphRecord, decision: Decision) -> None:
-        """A graph's speed verdict (on the calling thread): say so; when every compiled
-        graph runs eager, roll the callable back (``slower``)."""
+    # ------------------------------------------------------------------ the speed verdict
+
+    def _speed_tick(self, slot: CallSlot) -> None:
+        """Tell the speed verdict the calls this thread made since it last did (the hot
+        path calls this when ``slot.compiled`` reaches ``slot.mark``), and set the next
+        mark; when the verdict wants the next call, close the hot path."""
+        speed = self._speed
+        if speed is None:
+            slot.mark = FOREVER
+            return
+        seen = slot.compiled + slot.eager
+        wanted = speed.wants
+        left = speed.add(seen - slot.seen)
+        slot.seen = seen
+        slot.mark = slot.compiled + max(1, min(left, _TICK))
+        if speed.wants != wanted:
+            self._update_gate()
+
+    def _speed_done(self, step: Step, seconds: float | None) -> None:
+        """A timed call ended: its time (``None``: it could not be timed) goes to the
+        verdict; a verdict is acted on; the hot path opens again when nothing is wanted."""
+        speed = self._speed
+        if speed is None:
+            return
+        decision = None
+        if seconds is None:
+            speed.abandon()
+        else:
+            decision = speed.record(step, seconds)
+        self._update_gate()
+        if decision is not None:
+            self._on_speed(decision)
+
+    def _on_speed(self, decision: Decision) -> None:
+        """A round's verdict (on the calling thread): say so; eager won: roll back
+        (``slower``)."""
         assert self._speed_policy is not None
         limit = self._speed_policy.ratio
         arm = "eager" if decision.eager else "compiled"
@@ -724,33 +766,24 @@ class Controller:
             Event(
                 kind=EventKind.SPEED_VERDICT,
                 time=time.time(),
-                bucket=graph.bucket if graph.bucket is not None else f"graph {graph.id}",
                 message=(
-                    f"graph {graph.id} ({graph.label}) runs "
-                    f"{arm}: compiled/eager median {decision.ratio:.3f}x "
-                    f"[{decision.low:.3f}, {decision.high:.3f}] over {decision.pairs} "
-                    f"paired live calls (slower_ratio={limit})"
+                    f"{arm} serves: the whole call, compiled/eager median "
+                    f"{decision.ratio:.3f}x [{decision.low:.3f}, {decision.high:.3f}] over "
+                    f"{decision.pairs} paired live calls (slower_ratio={limit})"
                 ),
-                details={"graph": graph.id, "graph_inputs": graph.label, "code": graph.code}
-                | decision.to_dict(),
+                details=decision.to_dict(),
                 **_location_kwargs(self._location),
             )
         )
-        if not decision.eager:
-            return
-        measured = [(g, g.speed) for g in self._table if g.compiled and g.speed is not None]
-        if not all(speed.eager for _, speed in measured):
-            return
-        lost = "; ".join(
-            f"graph {g.id} ({g.label}) {speed.last.ratio:.3f}x over {speed.last.pairs} pairs"
-            for g, speed in measured
-            if speed.last is not None
-        )
-        self._trip(
-            Reason.SLOWER,
-            message=f"every compiled graph is slower than eager (slower_ratio={limit}): {lost}",
-            graph=graph,
-        )
+        if decision.eager:
+            self._trip(
+                Reason.SLOWER,
+                message=(
+                    f"the compiled path is slower than eager (slower_ratio={limit}): the "
+                    f"whole call {decision.ratio:.3f}x eager's time "
+                    f"[{decision.low:.3f}, {decision.high:.3f}] over {decision.pairs} pairs"
+                ),
+            )
 
     def _on_async_breach(
         self, graph: GraphRecord | None, message: str, max_abs: float, max_rel: float
@@ -776,15 +809,17 @@ def _compiled_state(compiled: list[GraphRecord], *, checked: bool) -> State:
     return State.COMPILED
 
 
-def _speed_figures(graphs: list[GraphRecord], *, on: bool) -> dict[str, Any]:
-    """The speed verdict across graphs, for ``stats().extra["speed"]``."""
-    measured = [g.speed for g in graphs if g.speed is not None]
+def _speed_figures(speed: CallSpeed | None) -> dict[str, Any]:
+    """The speed verdict's counters, for ``stats().extra["speed"]``."""
+    if speed is None:
+        return {"on": False, "probes": 0, "timed": 0, "rounds": 0, "last_ratio": None}
+    last = speed.last
     return {
-        "on": on,
-        "graphs_eager": sum(1 for s in measured if s.eager),
-        "probes": sum(s.probes for s in measured),
-        "timed": sum(s.timed for s in measured),
-        "rounds": sum(s.rounds for s in measured),
+        "on": True,
+        "probes": speed.probes,
+        "timed": speed.timed,
+        "rounds": speed.rounds,
+        "last_ratio": last.to_dict()["ratio"] if last is not None else None,
     }
 
 

@@ -12,7 +12,6 @@ dynamic graph costs nothing.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import itertools
 import re
@@ -36,7 +35,6 @@ from torch._dynamo.variables.nn_module import NNModuleVariable, UnspecializedNNM
 
 from safecompile.base.options import CompilerFn
 from safecompile.base.policies import FOREVER, Shadow
-from safecompile.checks.speed import Decision, GraphSpeed, SpeedPolicy, serve
 from safecompile.observe.source import graph_breaks_of
 
 from .slots import Slot
@@ -88,8 +86,6 @@ class GraphRecord:
     prep: bool = False  # a later graph of its calls is due: snapshot state at this one
     effects: tuple[Effect, ...] = ()  # Python objects its frame updates (snapshotted)
     frame: tuple[str, str, int] | None = None  # its frame's code: name, file, first line
-    speed_at: int = FOREVER  # from this call on, runs ask the speed verdict (_speed.py)
-    speed: GraphSpeed | None = None
 
     def check(self) -> str:
         """Where its shadow checks stand: ``"checked"`` (its canary passed),
@@ -119,7 +115,6 @@ class GraphRecord:
             "unchecked": self.unchecked,
             "mutates_state": self.mutates,
             "updates_objects": [e.name for e in self.effects],
-            "speed": self.speed.to_dict() if self.speed is not None else None,
         }
 
 
@@ -130,9 +125,8 @@ CallSlot = Slot[GraphRecord]
 class GraphTable:
     """Every graph of one guarded callable, in compile order (bounded by the graphs)."""
 
-    def __init__(self, shadow: Shadow | None, speed: SpeedPolicy | None = None) -> None:
+    def __init__(self, shadow: Shadow | None) -> None:
         self._shadow = shadow
-        self._speed = speed
         self._lock = threading.Lock()
         self._records: list[GraphRecord] = []
         self._per_code: dict[str, int] = {}
@@ -153,9 +147,6 @@ class GraphTable:
             unchecked=unchecked,
         )
         record.countdown = self.countdown(record)
-        if self._speed is not None and compiled:
-            record.speed = GraphSpeed(self._speed)
-            record.speed_at = record.speed.next_at
         with self._lock:
             self._records.append(record)
             if compiled:
@@ -201,13 +192,6 @@ class GraphTable:
                 record.canary_left = self._shadow.canary
                 record.countdown = self.countdown(record)
 
-    def restart_speed(self) -> None:
-        """After a recovery, every compiled graph is measured again from the start."""
-        for record in self:
-            if record.speed is not None:
-                record.speed.restart(record.calls)
-                record.speed_at = record.speed.next_at
-
     def __iter__(self) -> Iterator[GraphRecord]:
         with self._lock:
             return iter(list(self._records))
@@ -232,7 +216,6 @@ class GraphHooks:
         snapshot: Callable[[tuple[Any, ...], GraphRecord], Any],
         bucket_label: Callable[[], str | None],
         clock: Callable[[], float],
-        on_speed: Callable[[GraphRecord, Decision], None] | None = None,
         announce: Callable[[str, float], Callable[[], None]] | None = None,
     ) -> None:
         self.table = table
@@ -244,7 +227,6 @@ class GraphHooks:
         self.snapshot = snapshot
         self.bucket_label = bucket_label
         self.clock = clock
-        self.on_speed = on_speed
         # (graph inputs as text, perf_counter at start) -> what to call when it ends
         self.announce = announce
 
@@ -255,7 +237,7 @@ class GuardBackend:
     def __init__(self, compiler: CompilerFn, hooks: GraphHooks, label: str) -> None:
         self._compiler = compiler
         self._hooks = hooks
-        self._made: dict[tuple[Any, ...], tuple[GraphRecord, Callable[..., Any], Any]] = {}
+        self._made: dict[tuple[Any, ...], tuple[GraphRecord, Callable[..., Any]]] = {}
         # every code object it made graphs for: the function, and its resume functions
         self._codes: weakref.WeakSet[types.CodeType] = weakref.WeakSet()
         self.__name__ = f"safecompile[{label}]"
@@ -321,63 +303,29 @@ class GuardBackend:
             record.mutates = mutates_in_place(gm)
             record.effects = effects
             record.frame = _frame_key()
-            # The graph's traced code, run eagerly: the eager arm of the speed verdict.
-            eager = _EagerArm(gm.forward, example_inputs)
-            self._made[twin] = (record, inner, eager)
+            self._made[twin] = (record, inner)
             hooks.on_graph(record, gm)
         finally:
             if ended is not None:
                 ended()
             hooks.on_compile_end()
-        return _instrument(record, inner, eager, hooks)
-
-
-class _EagerArm:
-    """A graph's traced code run eagerly, and how to wait for its device work."""
-
-    __slots__ = ("forward", "sync")
-
-    def __init__(self, forward: Callable[..., Any], example_inputs: list[Any]) -> None:
-        self.forward = forward
-        cuda = any(isinstance(t, torch.Tensor) and t.is_cuda for t in example_inputs)
-        self.sync: Callable[[], None] | None = torch.cuda.synchronize if cuda else None
+        return _instrument(record, inner, hooks)
 
 
 def _instrument(
-    record: GraphRecord, inner: Callable[..., Any], eager: _EagerArm, hooks: GraphHooks
+    record: GraphRecord, inner: Callable[..., Any], hooks: GraphHooks
 ) -> Callable[..., Any]:
-    """The compiled graph as torch will run it: first note the run in the caller's slot.
-
-    From ``record.speed_at`` on, the speed verdict decides (one integer compare until
-    then): it may time this run, or serve it with the graph's traced code run eagerly.
-    """
+    """The compiled graph as torch will run it: first note the run in the caller's slot."""
     local = hooks.local
     snapshot = hooks.snapshot
     clock = hooks.clock
-    on_speed = hooks.on_speed
-    forward = eager.forward
-    sync = eager.sync
-
-    def served_eager() -> None:
-        slot: CallSlot = local.slot
-        if slot.due is None:
-            slot.due = []  # not the hot path's count: finish() counts the call as eager
-        local.speed_eager = True
-
-    def on_verdict(decision: Decision) -> None:
-        if on_speed is not None:
-            with contextlib.suppress(Exception):  # reporting never breaks a call
-                on_speed(record, decision)
-
-    speed = record.speed
 
     def run(*args: Any) -> Any:
         try:
             slot: CallSlot = local.slot
         except AttributeError:  # not called through the guard (torch internals): just run
             return inner(*args)
-        n = record.calls + 1
-        record.calls = n
+        record.calls += 1
         due = record.countdown <= 0 or slot.force
         if slot.first is None:
             slot.first = record
@@ -395,23 +343,7 @@ def _instrument(
                 slot.due.append(record)
         else:
             record.countdown -= 1
-        if n < record.speed_at or speed is None:
-            return inner(*args)
-        try:
-            return serve(
-                speed,
-                n,
-                due,
-                inner,
-                forward,
-                args,
-                clock=clock,
-                sync=sync,
-                on_eager=served_eager,
-                on_verdict=on_verdict,
-            )
-        finally:
-            record.speed_at = speed.next_at
+        return inner(*args)
 
     run.__name__ = f"safecompile_graph_{record.id}"
     return run

@@ -25,20 +25,23 @@ import threading
 import time
 import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 from safecompile.base import killswitch as ks
 from safecompile.base.model import Event, EventKind, Reason
 from safecompile.checks.compare import compare
+from safecompile.checks.speed import Step
 from safecompile.observe.source import safe_message, truncate, without_our_frames
 from safecompile.shapes.buckets import BucketError, Plan
 from safecompile.shapes.table import BucketEntry, BucketStatus, unmark
 
 from .controller import Controller
-from .graphs import CallSlot
+from .graphs import CallSlot, GraphRecord
+from .shadow import sync_device
 
 __all__ = ["call_slow", "entrypoint", "finish", "recover", "warm_call"]
 
@@ -127,6 +130,7 @@ def _entrypoint(c: Controller) -> Callable[..., Any]:
     env_get, env_key = _env_reader()
     switch = ks.SWITCH
     refresh = c._refresh_switch
+    ticked = _ticker(c)
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
         try:  # an error escaping is eager's: raised from the user's line, not ours
@@ -146,8 +150,9 @@ def _entrypoint(c: Controller) -> Callable[..., Any]:
                 else:
                     first = slot.first
                     if slot.due is None and first is not None and first.compiled:
-                        slot.compiled += 1
-                        return out
+                        slot.compiled = n = slot.compiled + 1
+                        # the speed verdict counts calls in batches: told at the slot's mark
+                        return out if n < slot.mark else ticked(slot, out)
                     return finish(c, slot, out, args, kwargs)
                 return recover(c, failure, args, kwargs)  # outside except: eager's unchained
             if gate.disabled:  # the kill switch: eager, in this frame
@@ -172,6 +177,7 @@ def _bucketed_entrypoint(c: Controller) -> Callable[..., Any]:
     env_get, env_key = _env_reader()
     switch = ks.SWITCH
     refresh = c._refresh_switch
+    ticked = _ticker(c)
     bucketer, entries, pads = c._buckets.bucketer, c._buckets.entries, c._buckets.pads
     plan_of, pad, unpad = bucketer.plan, bucketer.pad, bucketer.unpad
     ready = BucketStatus.READY
@@ -208,8 +214,9 @@ def _bucketed_entrypoint(c: Controller) -> Callable[..., Any]:
                             entry.count(plan, padded=padded)
                             first = slot.first
                             if slot.due is None and first is not None and first.compiled:
-                                slot.compiled += 1
-                                return out
+                                slot.compiled = n = slot.compiled + 1
+                                # the speed verdict counts calls in batches: told at the slot's mark
+                                return out if n < slot.mark else ticked(slot, out)
                             return finish(c, slot, out, args, kwargs)
                         return recover(c, failure, args, kwargs, plan=plan, entry=entry)
             elif gate.disabled:  # the kill switch: eager, in this frame
@@ -222,6 +229,17 @@ def _bucketed_entrypoint(c: Controller) -> Callable[..., Any]:
             raise without_our_frames(exc)  # noqa: B904 - the user's error, kept unchained
 
     return guarded
+
+
+def _ticker(c: Controller) -> Callable[[CallSlot, Any], Any]:
+    """The hot path's call at a slot's mark: tell the speed verdict, return ``out``."""
+    tick = c._speed_tick
+
+    def ticked(slot: CallSlot, out: Any) -> Any:
+        tick(slot)
+        return out
+
+    return ticked
 
 
 def _env_reader() -> tuple[Callable[[object], object], object]:
@@ -246,8 +264,9 @@ def finish(
 ) -> Any:
     """The compiled call returned, and something needs more than counting."""
     first, due, snapshot, new = slot.first, slot.due, slot.snapshot, slot.new
+    if slot.timer >= 0.0:
+        _timed_compiled(c, slot, out, first, new)
     slot.end()
-    served_eager = _took_eager_arm(c)
     if first is None or not first.compiled:
         # No compiled graph served: dynamo ran the frame eagerly, or the graph is past
         # the recompile limit and its traced code ran eagerly.
@@ -281,25 +300,28 @@ def finish(
                     slot.eager += 1
                 return verdict.eager_out
     if not warmup:
-        _count(slot, eager=served_eager)  # eager: the speed verdict ran a graph eagerly
+        _count_compiled(c, slot)
     return out
 
 
-def _count(slot: CallSlot, *, eager: bool) -> None:
-    if eager:
-        slot.eager += 1
+def _count_compiled(c: Controller, slot: CallSlot) -> None:
+    slot.compiled += 1
+    if slot.compiled >= slot.mark:
+        c._speed_tick(slot)
+
+
+def _timed_compiled(
+    c: Controller, slot: CallSlot, out: Any, first: GraphRecord | None, new: object
+) -> None:
+    """A timed compiled call returned: its time goes to the speed verdict, unless no
+    compiled graph served it or it compiled a graph (then it is not a live call's time)."""
+    sync_device(out)
+    elapsed = c._clock() - slot.timer
+    slot.timer = -1.0
+    if first is None or not first.compiled or new is not None:
+        c._speed_done(Step.TIME_COMPILED, None)
     else:
-        slot.compiled += 1
-
-
-def _took_eager_arm(c: Controller) -> bool:
-    """Whether a graph of this call ran its eager arm (see ``_graphs._instrument``);
-    clears the note for the next call."""
-    local = c._slots.local
-    if getattr(local, "speed_eager", False):
-        local.speed_eager = False
-        return True
-    return False
+        c._speed_done(Step.TIME_COMPILED, elapsed)
 
 
 def recover(
@@ -315,7 +337,6 @@ def recover(
     """The compiled path raised: answer with eager's result, or eager's own error."""
     slot = c._slots.get()
     slot.end()
-    _took_eager_arm(c)
     if entry is not None and _bucket_fault(c, failure, entry):
         return eager(c, args, kwargs, warmup=warmup)
     user_error: Exception | None = None
@@ -453,27 +474,21 @@ def _call_compiled(
     warmup: bool,
 ) -> Any:
     """Call the compiled function from the slow path (buckets planned here)."""
-    plan: Plan | None = None
-    entry: BucketEntry | None = None
-    if c._buckets is not None:
-        plan = c._buckets.bucketer.plan(args, kwargs)
-        if plan is not None and plan.status == "oversize":
-            if c._buckets.bucketer.policy.oversize == "eager":
-                return eager(c, args, kwargs, warmup=warmup)
-            plan = None  # compile the shape as it is
-        elif plan is not None and plan.status != "bucketed":
-            c._buckets.bucketer.check_dims(args, kwargs)  # a dim past the rank: ConfigError
-            plan = None  # unbucketable: run it unpadded
-        if plan is not None:
-            entry = c._buckets.entry(plan)
-            if not entry.looked_up:  # what an earlier process learnt (_restart)
-                c._persisted.restore(entry, args, kwargs)
-            if entry.status is BucketStatus.REJECTED:
-                return eager(c, args, kwargs, warmup=warmup)
+    planned = _plan_bucket(c, args, kwargs)
+    if planned is None:
+        return eager(c, args, kwargs, warmup=warmup)
+    plan, entry = planned
+    step = Step.UNTIMED
+    if c._speed is not None and not (force or warmup):
+        step = _plan_speed(c, slot, args, kwargs, plan, entry)
+        if step is Step.TIME_EAGER:
+            return _probe(c, slot, args, kwargs)
     slot.begin()
     slot.force = force
     c._slots.local.bucket = entry.label if entry is not None else None
-    c._slots.local.speed_eager = False
+    if step is Step.TIME_COMPILED:
+        sync_device((args, kwargs))
+        slot.timer = c._clock()
     try:
         if plan is not None and entry is not None:
             return _call_bucket(c, slot, plan, entry, args, kwargs, warmup=warmup)
@@ -487,6 +502,100 @@ def _call_compiled(
     finally:
         slot.force = False
         c._slots.local.bucket = None
+        if slot.timer >= 0.0:  # a timed call that did not reach finish(): not a time
+            slot.timer = -1.0
+            c._speed_done(Step.TIME_COMPILED, None)
+
+
+def _plan_bucket(
+    c: Controller, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Plan | None, BucketEntry | None] | None:
+    """The call's bucket and its entry (``(None, None)``: not bucketed), or ``None`` when
+    eager serves the call (oversize, or a rejected bucket)."""
+    if c._buckets is None:
+        return None, None
+    plan = c._buckets.bucketer.plan(args, kwargs)
+    if plan is not None and plan.status == "oversize":
+        if c._buckets.bucketer.policy.oversize == "eager":
+            return None
+        return None, None  # compile the shape as it is
+    if plan is None or plan.status != "bucketed":
+        return None, None  # unbucketable: run it unpadded
+    entry = c._buckets.entry(plan)
+    if not entry.looked_up:  # what an earlier process learnt (_restart)
+        c._persisted.restore(entry, args, kwargs)
+    if entry.status is BucketStatus.REJECTED:
+        return None
+    return plan, entry
+
+
+def _plan_speed(
+    c: Controller,
+    slot: CallSlot,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    plan: Plan | None,
+    entry: BucketEntry | None,
+) -> Step:
+    """Whether the speed verdict times this call, and on which arm (see
+    :mod:`safecompile.checks.speed`). A bucket still verifying its padding is not timed."""
+    speed = c._speed
+    assert speed is not None
+    c._speed_tick(slot)
+    if not speed.wants:
+        return Step.UNTIMED
+    bucket: str | None = None
+    if plan is not None and entry is not None:
+        if entry.status is not BucketStatus.READY or (
+            entry.cuts is None and c._buckets is not None and c._buckets.pads and plan.padded
+        ):
+            return Step.UNTIMED
+        bucket = entry.label
+    return speed.plan(call_key(args, kwargs, bucket, c._module))
+
+
+def _probe(c: Controller, slot: CallSlot, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The eager arm of a pair: the original function on the caller's own arguments
+    (its values, side effects and gradients are the caller's), timed."""
+    sync_device((args, kwargs))
+    started = c._clock()
+    try:
+        out = c._fn(*args, **kwargs)
+        sync_device(out)
+    except BaseException:
+        slot.eager += 1
+        c._speed_done(Step.TIME_EAGER, None)
+        raise  # eager's own error: the caller gets it, as eager would raise it
+    elapsed = c._clock() - started
+    slot.eager += 1
+    c._speed_done(Step.TIME_EAGER, elapsed)
+    return out
+
+
+def call_key(
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    bucket: str | None,
+    module: torch.nn.Module | None,
+) -> Hashable:
+    """What groups like calls for a pair: the bucket, grad mode, train/eval, and each
+    tensor's dtype, device, grad flag and shape (each size rounded up to a power of two,
+    so variable-length traffic still pairs; bools by value, other values by type)."""
+    parts: list[object] = [bucket, torch.is_grad_enabled()]
+    if module is not None:
+        parts.append(module.training)
+    for leaf in pytree.tree_leaves((args, kwargs))[:_KEY_LEAVES]:
+        if isinstance(leaf, torch.Tensor):
+            shape = tuple(1 << (int(d) - 1).bit_length() if d > 1 else int(d) for d in leaf.shape)
+            parts.append((shape, leaf.dtype, leaf.device.type, leaf.requires_grad))
+        elif isinstance(leaf, bool):
+            parts.append(leaf)
+        else:
+            parts.append(type(leaf).__name__)
+    return tuple(parts)
+
+
+_KEY_LEAVES = 64
 
 
 def _call_bucket(
@@ -553,7 +662,6 @@ def _verify_bucket(
     bucketer = c._buckets.bucketer
     due, first = slot.due, slot.first
     slot.end()
-    served_eager = _took_eager_arm(c)  # the graph ran eagerly: padding is verified alone
     eager_out = c._fn(*args, **kwargs)
     try:
         if bucketer.policy.outputs is not None:
@@ -576,7 +684,7 @@ def _verify_bucket(
             c._persisted.keep_verified(entry, cuts, c.name)
         if not warmup:
             entry.count(plan, padded=True)
-            _count(slot, eager=served_eager)
+            slot.compiled += 1
         return out
     # Padding's fault, or the compiler's? Eager on the padded inputs tells.
     with torch.no_grad():

@@ -30,9 +30,12 @@ class Slot(Generic[G]):
         "first",
         "force",
         "limited",
+        "mark",
         "new",
+        "seen",
         "snapshot",
         "started",
+        "timer",
     )
 
     def __init__(self) -> None:
@@ -45,6 +48,12 @@ class Slot(Generic[G]):
         self.snapshot: Snapshot | None = None  # state before the first graph ran
         self.new: list[G] | None = None  # graphs compiled during this call
         self.started = 0.0  # clock when the first graph of a checked call started
+        # The speed verdict (safecompile.checks.speed): the hot path reports to it when
+        # ``compiled`` reaches ``mark``; ``seen`` is what it was told so far; ``timer``
+        # is the clock at the start of a timed compiled call (-1.0: not timed).
+        self.mark = 0
+        self.seen = 0
+        self.timer = -1.0
 
     def begin(self) -> None:
         """Forget the previous call (the slow path's form of the hot path's two writes)."""
@@ -102,8 +111,15 @@ class Slots(Generic[G]):
             sum(s.limited for s in slots),
         )
 
+    def remark(self) -> None:
+        """Have every thread report to the speed verdict on its next call."""
+        with self._lock:
+            for _, slot in self._all:
+                slot.mark = 0
+
     def clear(self) -> None:
         """Zero every counter (``reset()``)."""
         with self._lock:
             for slot in (self._gone, *(slot for _, slot in self._all)):
                 slot.compiled = slot.eager = slot.limited = 0
+                slot.mark = slot.seen = 0
