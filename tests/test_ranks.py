@@ -32,7 +32,7 @@ from safecompile.testing import (
     FakeClock,
     RuntimeFailingBackend,
 )
-from tests.test_speed_verdict import LatencyBackend, affine
+from tests.test_speed_verdict import affine, slower_backend, spend_on
 
 _LIMIT_S = 150  # per scenario: process start, import torch, the calls (under load)
 _SYNC_TIMEOUT_S = 3.0  # the short safe-point timeout of the timeout scenarios
@@ -308,35 +308,35 @@ def test_group_true_before_init_trips_locally() -> None:
 
 def test_an_agreed_recovery_restarts_the_speed_verdict_and_the_canary(clock: FakeClock) -> None:
     """Every rank tripped and ready: the agreed recovery brings back the compiled path
-    whole: the graph the speed verdict had sent to eager serves compiled again, and its
-    canary starts again (one recovery routine, the same as a half-open trial's)."""
-    backend = LatencyBackend(clock, compiled=lambda _n: 0.002, eager=0.001)
-    guarded = safe_compile(
-        affine,
-        backend=backend,
-        dynamic=False,
-        shadow=Shadow(canary=2),
-        rollback=Rollback(retry_after=10),
-        clock=clock,
-    )
-    c = guarded.safecompile
-    peers = {1: _OK}
-    c._trips.ranks = _Peers(0, peers)  # a simulated peer, agreed with at each sync()
-    x = torch.randn(4)
-    for _ in range(400):  # 2x slower: the graph goes eager, the slower trip is held
+    whole: the speed verdict that had found eager faster measures afresh, and the canary
+    starts again (one recovery routine, the same as a half-open trial's)."""
+    with spend_on(clock):
+        guarded = safe_compile(
+            affine,
+            backend=slower_backend(clock, 0.001),  # the whole call 2 ms against eager's 1
+            dynamic=False,
+            shadow=Shadow(canary=2),
+            rollback=Rollback(retry_after=10),
+            clock=clock,
+        )
+        c = guarded.safecompile
+        peers = {1: _OK}
+        c._trips.ranks = _Peers(0, peers)  # a simulated peer, agreed with at each sync()
+        x = torch.randn(4)
+        for _ in range(400):  # 2x slower: eager wins, the slower trip is held
+            torch.testing.assert_close(guarded(x), affine(x), rtol=0, atol=0)
+        assert c.report()["speed"]["last"]["verdict"] == "eager"
+        assert c.sync() == "rolled_back"
+        clock.advance(10)
+        peers[1] = Local(tripped=True, reason=Reason.PEER, ready=True)
+        assert c.sync() == "canary"
+        report = c.report()
+        assert report["speed"]["last"] is None  # measured afresh
+        assert report["graphs"][0]["canary_left"] == 2
+        assert [e.kind.value for e in c.events()][-2:] == ["retry", "recovered"]
+        compiled = c.stats().compiled_calls
         torch.testing.assert_close(guarded(x), affine(x), rtol=0, atol=0)
-    assert c.report()["graphs"][0]["speed"]["serving"] == "eager"
-    assert c.sync() == "rolled_back"
-    clock.advance(10)
-    peers[1] = Local(tripped=True, reason=Reason.PEER, ready=True)
-    assert c.sync() == "canary"
-    graph = c.report()["graphs"][0]
-    assert graph["speed"]["serving"] == "compiled"
-    assert graph["canary_left"] == 2
-    assert [e.kind.value for e in c.events()][-2:] == ["retry", "recovered"]
-    compiled = c.stats().compiled_calls
-    torch.testing.assert_close(guarded(x), affine(x), rtol=0, atol=0)
-    assert c.stats().compiled_calls == compiled + 1
+        assert c.stats().compiled_calls == compiled + 1
 
 
 @pytest.mark.parametrize("group", [1, "world", False, object()])

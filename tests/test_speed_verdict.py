@@ -9,13 +9,14 @@ timing, no flakiness.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import os
 import random
 import threading
 from collections import Counter
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from typing import Any
 
 import pytest
@@ -348,12 +349,27 @@ def spend() -> None:
         _CLOCK[-1].advance(_SPEND["seconds"])
 
 
-@pytest.fixture
-def spending(clock: FakeClock) -> Any:
+@contextlib.contextmanager
+def spend_on(clock: FakeClock, seconds: float = 0.001) -> Iterator[FakeClock]:
+    """While open, :func:`spend` advances ``clock`` by ``seconds``."""
     _CLOCK.append(clock)
-    _SPEND["seconds"] = 0.001
-    yield clock
-    _CLOCK.clear()
+    _SPEND["seconds"] = seconds
+    try:
+        yield clock
+    finally:
+        _CLOCK.clear()
+
+
+def slower_backend(clock: FakeClock, seconds: float) -> SlowBackend:
+    """Each compiled graph run advances ``clock`` by ``seconds``."""
+    return SlowBackend(delay=seconds, sleep=clock.advance)
+
+
+@pytest.fixture
+def spending(clock: FakeClock) -> Iterator[FakeClock]:
+    """The fake clock, advanced 1 ms by each call of the user's function."""
+    with spend_on(clock) as spent:
+        yield spent
 
 
 def affine(x: torch.Tensor) -> torch.Tensor:
@@ -367,14 +383,10 @@ def two_graphs(x: torch.Tensor) -> torch.Tensor:
     return y + 1
 
 
-def _slower(clock: FakeClock, seconds: float) -> SlowBackend:
-    return SlowBackend(delay=seconds, sleep=clock.advance)
-
-
 def test_a_slower_call_rolls_back(spending: FakeClock) -> None:
     """The whole compiled call takes 3 ms more than eager's 1 ms: rolled back (slower),
     every result equals eager's, and the event gives the ratio over the pairs."""
-    g = safe_compile(two_graphs, backend=_slower(spending, 0.0015), clock=spending)
+    g = safe_compile(two_graphs, backend=slower_backend(spending, 0.0015), clock=spending)
     for _ in range(400):
         x = torch.randn(4)
         torch.testing.assert_close(g(x), two_graphs(x), rtol=0, atol=0)
@@ -396,7 +408,7 @@ def test_a_slower_call_rolls_back(spending: FakeClock) -> None:
 def test_a_faster_call_stays_compiled(spending: FakeClock) -> None:
     """Compiled graphs cost nothing over the user's own work: compiled stays, and the
     verdict is reported with its ratio."""
-    g = safe_compile(affine, backend=_slower(spending, 0.0), clock=spending)
+    g = safe_compile(affine, backend=slower_backend(spending, 0.0), clock=spending)
     for _ in range(400):
         g(torch.randn(4))
     c = g.safecompile
@@ -412,7 +424,7 @@ def test_every_call_checked_still_measures(spending: FakeClock) -> None:
     """Shadow(every=1), every compiled call shadow-checked: a compiled path 3 ms slower
     per call still rolls back (slower); the checks' own eager runs are not timed."""
     g = safe_compile(
-        affine, backend=_slower(spending, 0.003), shadow=Shadow(every=1), clock=spending
+        affine, backend=slower_backend(spending, 0.003), shadow=Shadow(every=1), clock=spending
     )
     for _ in range(600):
         x = torch.randn(4)
@@ -444,7 +456,7 @@ def test_probes_keep_side_effects_and_gradients(spending: FakeClock) -> None:
         return x * 2 + 1
 
     _EFFECTS["n"] = 0
-    g = safe_compile(effect, backend=_slower(spending, 0.0), shadow=None, clock=spending)
+    g = safe_compile(effect, backend=slower_backend(spending, 0.0), shadow=None, clock=spending)
     for i in range(400):
         x = torch.randn(4, requires_grad=True)
         g(x).sum().backward()
@@ -463,7 +475,7 @@ def viewed(x: torch.Tensor) -> torch.Tensor:
 def test_a_probe_that_raises_is_the_users_error(spending: FakeClock) -> None:
     """Eager raising on a probe is the caller's own error: raised unchanged, nothing
     tripped, nothing left in flight, and the verdict goes on measuring."""
-    g = safe_compile(viewed, backend=_slower(spending, 0.0), shadow=None, clock=spending)
+    g = safe_compile(viewed, backend=slower_backend(spending, 0.0), shadow=None, clock=spending)
     c = g.safecompile
     for _ in range(128):
         g(torch.randn(4))
@@ -490,7 +502,7 @@ def test_buckets_time_the_padded_call(spending: FakeClock) -> None:
 
     g = safe_compile(
         rows,
-        backend=_slower(spending, 0.002),
+        backend=slower_backend(spending, 0.002),
         buckets=Buckets(dims={"x": 0}, sizes=(4, 8)),
         clock=spending,
     )
@@ -505,7 +517,7 @@ def test_buckets_time_the_padded_call(spending: FakeClock) -> None:
 def test_recovery_measures_again(spending: FakeClock) -> None:
     """After a slower trip, retry_after=0 brings the compiled path back at once, and
     the verdict measures from scratch (the one entry point: restart_speed)."""
-    backend = _slower(spending, 0.003)
+    backend = slower_backend(spending, 0.003)
     g = safe_compile(
         affine, backend=backend, rollback=Rollback(retry_after=0), shadow=None, clock=spending
     )
@@ -523,7 +535,7 @@ def test_recovery_measures_again(spending: FakeClock) -> None:
 def test_no_probes_in_the_first_calls(spending: FakeClock) -> None:
     """The default routes nothing to eager in the first 128 calls: short tests keep
     exact counts, however slow compiled is."""
-    g = safe_compile(affine, backend=_slower(spending, 5.0), clock=spending)
+    g = safe_compile(affine, backend=slower_backend(spending, 5.0), clock=spending)
     for _ in range(128):
         g(torch.randn(4))
     stats = g.safecompile.stats()
@@ -535,7 +547,7 @@ def test_slower_ratio_none_turns_it_off(spending: FakeClock) -> None:
     """Rollback(slower_ratio=None): nothing is timed or routed, compiled always serves."""
     g = safe_compile(
         affine,
-        backend=_slower(spending, 5.0),
+        backend=slower_backend(spending, 5.0),
         rollback=Rollback(slower_ratio=None),
         shadow=None,
         clock=spending,
@@ -557,7 +569,7 @@ def test_slower_ratio_none_turns_it_off(spending: FakeClock) -> None:
 def test_threads_count_every_call(spending: FakeClock) -> None:
     """Four threads: every call is counted once in stats, and the verdict counts the
     threads' calls together (each reports in batches) and times calls."""
-    g = safe_compile(affine, backend=_slower(spending, 0.0), shadow=None, clock=spending)
+    g = safe_compile(affine, backend=slower_backend(spending, 0.0), shadow=None, clock=spending)
     g(torch.randn(4))
 
     def work() -> None:
@@ -634,7 +646,7 @@ def test_a_slower_trip_with_retry_after_recovers_and_backs_off(spending: FakeClo
     clock = spending
     g = safe_compile(
         affine,
-        backend=_slower(clock, 0.001),
+        backend=slower_backend(clock, 0.001),
         dynamic=False,
         shadow=Shadow(canary=2),
         rollback=Rollback(retry_after=10),
