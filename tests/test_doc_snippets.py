@@ -1,4 +1,4 @@
-"""The Python snippets of the README and the docs' quickstart run as written.
+"""The Python snippets of the README and of the docs' first pages run as written.
 
 A page's ```` ```python ```` blocks are run in order as one script, as a reader pasting
 them one after the other into a session would, in a subprocess from a temporary folder.
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ["README.md", "docs/quickstart.md", "docs/faq.md", "docs/rollout.md"]
+PAGES = ["README.md", "docs/index.md", "docs/quickstart.md", "docs/faq.md", "docs/rollout.md"]
 TIMEOUT_S = 180  # each page takes seconds; the bound only stops a hang
 
 # Run before the snippets: safe_compile as imported from safecompile defaults to aot_eager.
