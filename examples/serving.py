@@ -75,7 +75,7 @@ PORT = 8081  # mkdocs serve takes 8000
 # What /status's sections mean: the controller's report, read by a person.
 LEGEND = {
     "warm": "whether the start-up warmup has finished (until then eager answers every call)",
-    "state": "pending | warming | canary | compiled | rolled_back | disabled",
+    "state": "pending | warming | canary | compiled | unchecked | rolled_back | disabled",
     "stats": "call counters since start (or /reset): compiled_calls + eager_calls == calls",
     "graphs": "one per graph torch compiled: its input shapes, calls, checks, canary left",
     "buckets": (
