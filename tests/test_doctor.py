@@ -661,3 +661,18 @@ def test_measured_timings_record_the_middle_half() -> None:
     assert timing.middle_half() == (0.7, 1.2)
     speed = {c.name: c for c in judge(_report(timing=(timing,)))}["speed"]
     assert "spans 0.70x to 1.20x" in speed.summary
+
+
+def test_timing_says_how_far_it_got_every_few_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Timing a slow call is not silent: a progress line at least every PROGRESS_EVERY_S
+    seconds (made 0 here, so every sample after the first says so)."""
+    from safecompile.doctor import diagnose, measure
+    from safecompile.doctor.report import Settings
+
+    assert measure.PROGRESS_EVERY_S <= 5.0
+    monkeypatch.setattr(measure, "PROGRESS_EVERY_S", 0.0)
+    said: list[str] = []
+    target = to_target((lambda x: x * 2 + 1, (torch.randn(4, 8),)))
+    diagnose(target, Settings(backend="eager", repeat=4), progress=said.append)
+    timing = [line for line in said if line.startswith("timing float32[4, 8]: ")]
+    assert timing == [f"timing float32[4, 8]: {i} of 4 samples" for i in range(4)]

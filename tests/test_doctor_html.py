@@ -476,6 +476,9 @@ def test_plots_show_small_and_large_latencies_and_legends_cover_nothing(
             assert not legend.get_window_extent(renderer).overlaps(ax.get_window_extent(renderer))
     latency = figures[0].axes[0]
     assert latency.get_yscale() == "log"
+    ticks = [t.get_text() for t in latency.get_yticklabels() + latency.get_yticklabels(minor=True)]
+    assert any(t for t in ticks), "the time axis is labelled"
+    assert not any("$" in t or "mathdefault" in t for t in ticks), ticks
     heights = sorted(
         p.get_window_extent(renderer=figures[0].canvas.get_renderer()).height
         for p in latency.patches

@@ -143,6 +143,11 @@ def _latency(r: Report, figure: type[Figure]) -> str:
         ax.scatter([], [], marker="_", color="black", label="p99")
         ax.set_xticks(range(len(labels)), [_cut(x) for x in labels], rotation=15, ha="right")
         ax.set_yscale("log")  # 1.5 ms and 99 ms bars both show
+        from matplotlib.ticker import LogFormatter  # noqa: PLC0415 - optional, on demand
+
+        # plain numbers (100, 200), not mathtext, which this page's plots do not parse
+        ax.yaxis.set_major_formatter(LogFormatter(labelOnlyBase=False))
+        ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 1)))
         ax.set_ylabel(f"{unit} per call (log scale)")
         _legend_below(ax)
 

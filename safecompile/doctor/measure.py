@@ -55,6 +55,9 @@ __all__ = ["diagnose", "versions"]
 _SAMPLE_S = 2e-3  # a timing sample runs the call enough times to last about this long
 _MAX_INNER = 1000
 _MAX_TIMED = 4  # examples timed (the first ones)
+#: Longest silence between the doctor's progress lines while it times (seconds); compiles
+#: say so on their own (:func:`~safecompile.observe.progress.spinner`).
+PROGRESS_EVERY_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,7 +153,7 @@ def diagnose(
         )
     except (ConfigError, TypeError) as exc:
         raise UsageError(str(exc)) from exc
-    session = _Session(guarded, plan, recorder)
+    session = _Session(guarded, plan, recorder, say)
     if guarded.safecompile.state is State.DISABLED:
         raise UsageError(
             f"the kill switch turns {plan.name!r} off (SAFECOMPILE_DISABLE="
@@ -376,7 +379,10 @@ def _sweep_examples(target: DoctorTarget) -> tuple[Example, ...] | None:
 class _Session:
     """One guarded callable, its eager twin, and what has gone wrong so far."""
 
-    def __init__(self, guarded: Any, plan: _Plan, recorder: _Recorder) -> None:
+    def __init__(
+        self, guarded: Any, plan: _Plan, recorder: _Recorder, say: Callable[[str], None]
+    ) -> None:
+        self.say = say
         self.guarded = guarded
         self.controller = guarded.safecompile
         self.eager = plan.call
@@ -482,7 +488,11 @@ class _Session:
         inner = max(1, min(_MAX_INNER, int(_SAMPLE_S / max(one, 1e-9))))
         c_times: list[float] = []
         e_times: list[float] = []
+        said = time.perf_counter()
         for i in range(repeat):
+            if time.perf_counter() - said >= PROGRESS_EVERY_S:  # a slow call is never silent
+                said = time.perf_counter()
+                self.say(f"timing {label}: {i} of {repeat} samples")
             if i % 2:
                 e_times.append(self._clock(eager, inner))
                 c_times.append(self._clock(compiled, inner))
