@@ -23,6 +23,7 @@ from safecompile.doctor import (
     Call,
     DoctorTarget,
     Example,
+    Failure,
     Report,
     Thresholds,
     Timing,
@@ -676,3 +677,26 @@ def test_timing_says_how_far_it_got_every_few_seconds(monkeypatch: pytest.Monkey
     diagnose(target, Settings(backend="eager", repeat=4), progress=said.append)
     timing = [line for line in said if line.startswith("timing float32[4, 8]: ")]
     assert timing == [f"timing float32[4, 8]: {i} of 4 samples" for i in range(4)]
+
+
+def test_text_report_lines_are_at_most_200_characters() -> None:
+    """Long labels, summaries and messages wrap under their line instead of running on;
+    nothing is lost."""
+    label = "float32[" + ", ".join(["1024"] * 24) + "]"
+    failure = Failure(
+        reason="compile_error",
+        label=label,
+        error_type="torch._dynamo.exc.Unsupported",
+        message="word " * 120 + "\nsecond line " + "x" * 260,
+        file="/srv/app/model.py",
+        line=42,
+        function="forward",
+        source="y = " + "x + " * 80 + "1",
+        at_definition=False,
+    )
+    report = _report(failure=failure, timing=(dataclasses.replace(_timing(1.5), label=label),))
+    text = render_text(dataclasses.replace(report, checks=judge(report)))
+    assert all(len(line) <= 200 for line in text.splitlines()), max(text.splitlines(), key=len)
+    flat = " ".join(text.split())
+    assert "x" * 200 in text.replace("\n", "").replace(" ", "")
+    assert "model.py:42 in forward" in flat

@@ -143,6 +143,8 @@ def _latency(r: Report, figure: type[Figure]) -> str:
         ax.scatter([], [], marker="_", color="black", label="p99")
         ax.set_xticks(range(len(labels)), [_cut(x) for x in labels], rotation=15, ha="right")
         ax.set_yscale("log")  # 1.5 ms and 99 ms bars both show
+        lowest = min((x * scale for x in known if x > 0), default=1.0)
+        ax.set_ylim(bottom=lowest / 10)  # the shortest bar spans a decade at least
         from matplotlib.ticker import LogFormatter  # noqa: PLC0415 - optional, on demand
 
         # plain numbers (100, 200), not mathtext, which this page's plots do not parse

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import textwrap
+
 from .formats import TAGS
 from .report import Report
 
-__all__ = ["render_text"]
+__all__ = ["LINE_LIMIT", "render_text"]
+
+#: Longest line of the text report.
+LINE_LIMIT = 200
 
 
 def render_text(report: Report) -> str:
@@ -54,4 +59,17 @@ def render_text(report: Report) -> str:
         + ", ".join(f"{k} {v[k]}" for k in ("safecompile", "torch", "python") if k in v)
         + f"; device {v.get('device', '?')}"
     )
-    return "\n".join(out) + "\n"
+    return "".join(line + "\n" for entry in out for line in _fitted(entry))
+
+
+def _fitted(line: str) -> list[str]:
+    """``line`` as it is, or wrapped at :data:`LINE_LIMIT` characters (at spaces where it
+    can), the rest indented under it; a line that is itself several lines is each."""
+    if "\n" in line:
+        return [part for piece in line.split("\n") for part in _fitted(piece)]
+    if len(line) <= LINE_LIMIT:
+        return [line]
+    indent = " " * (len(line) - len(line.lstrip()) + 4)
+    return textwrap.wrap(line, LINE_LIMIT, subsequent_indent=indent, break_on_hyphens=False) or [
+        line[:LINE_LIMIT]
+    ]
