@@ -89,6 +89,9 @@ GROUPS = {
 }
 
 
+BENCH_CACHE_KEY = "safecompile-bench-key-0123456789"  # the same in every process
+
+
 def pct(values: Sequence[float], q: float) -> float:
     if not values:
         return math.nan
@@ -288,6 +291,7 @@ def run_child(
     env.pop("TORCHINDUCTOR_CACHE_DIR", None)
     env.pop("TORCHINDUCTOR_COMPILE_THREADS", None)
     env["SAFECOMPILE_CACHE_DIR"] = str(cache)
+    env.setdefault("SAFECOMPILE_CACHE_KEY", BENCH_CACHE_KEY)  # verdicts and artifacts are signed
     env.update(env_extra)
     cmd = [
         sys.executable,

@@ -48,6 +48,9 @@ BATCH, D_MODEL = 8, 256
 # ---------------------------------------------------------------- the replica
 
 
+BENCH_CACHE_KEY = "safecompile-bench-key-0123456789"  # the same in every process
+
+
 def child(args: argparse.Namespace) -> dict[str, Any]:
     """One replica: import, probe, guard with a blocking warmup, serve one request."""
     t_import = time.perf_counter()
@@ -128,6 +131,8 @@ def run_child(
         k: v for k, v in os.environ.items() if not k.startswith(("TORCHINDUCTOR_", "SAFECOMPILE_"))
     }
     env["SAFECOMPILE_CACHE_DIR"] = str(cache)
+    # every replica signs and verifies with the fleet's key (without one the remote is off)
+    env["SAFECOMPILE_CACHE_KEY"] = os.environ.get("SAFECOMPILE_CACHE_KEY", BENCH_CACHE_KEY)
     env["TORCHINDUCTOR_CACHE_DIR"] = str(cache / "torch")  # where safecompile puts it, but
     # already for the ISA probe, which runs before the first safe_compile
     if remote is not None:

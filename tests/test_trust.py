@@ -710,3 +710,31 @@ def test_a_cache_entry_torch_fails_on_is_not_a_compile_failure(
     assert len(events(logs, "remote_cache_error")) == 1
     assert not list(remote_on.scan_iter(match=f"{_remote.VERDICT_PREFIX}*"))
     assert not list(Path(os.environ[CACHE_ENV_VAR]).rglob("*.json"))
+
+
+def test_without_a_key_reset_works_and_nothing_is_persisted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Keyless with a cache directory: buckets are learnt in memory, ``reset()`` forgets
+    them (it used to fail on the missing artifact folder), nothing lands on disk."""
+    monkeypatch.delenv(signing.KEY_ENV_VAR)
+    monkeypatch.setenv(CACHE_ENV_VAR, str(tmp_path))
+    g = bucketed(tokenwise)
+    assert all_correct(g, tokenwise, calls=6) == 6
+    g.safecompile.reset()
+    assert all_correct(g, tokenwise, calls=6) == 6
+    assert not list(tmp_path.rglob("*.json"))
+    assert not list(tmp_path.rglob("*.bin"))
+
+
+def test_a_verdict_file_that_blocks_on_read_is_not_waited_for(tmp_path: Path) -> None:
+    """A FIFO where a verdict file should be (or a hung mount): the read is bounded, the
+    entry ignored with one warning."""
+    store = VerdictStore(tmp_path)
+    path = store.path("ab" * 16)
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)
+    with capture_logs() as logs:
+        assert returns_within(lambda: store.get("ab" * 16)) is None
+    (ignored,) = events(logs, "cache_file_ignored")
+    assert "not a regular file" in ignored["reason"]

@@ -93,7 +93,9 @@ class KnownFailures:
 
     def __init__(self, target: Callable[..., Any], options: dict[str, Any]) -> None:
         root = usable_root()
-        self._store = VerdictStore(root) if root is not None else None
+        store = VerdictStore(root) if root is not None else None
+        # without a key no verdict is read or written (the store said so, once)
+        self._store = store if store is not None and store.signer is not None else None
         if root is not None:
             try:
                 use_torch_caches(root)

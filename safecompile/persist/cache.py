@@ -45,6 +45,7 @@ import torch
 
 from safecompile._version import __version__
 
+from .bounded import read_file
 from .remote import RemoteVerdicts, remote_verdicts
 from .signing import Signer, owner_problem, signer, warn_ignored, warn_once
 
@@ -67,6 +68,7 @@ SCHEMA_VERSION = 1
 
 _KEY_CHARS = 32  # hex digits of an artifact key (128 bits)
 MAX_JSON_DEPTH = 32  # a verdict nests 4 deep; anything far deeper is not ours
+MAX_VERDICT_BYTES = 1 << 20  # a verdict is a few hundred bytes
 _MAX_CODE_OBJECTS = 2000  # bound on the code walked for one fingerprint
 _ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_", "TORCH_DYNAMO_")
 # Settings that only say where things go (or which job this is), not what is compiled:
@@ -614,12 +616,13 @@ def _key_dir(key: str) -> str:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return None
+    try:  # bounded: a verdict file on a hung mount must not hang the call reading it
+        raw = read_file(path, limit=MAX_VERDICT_BYTES)
     except OSError as exc:
         _ignored(path, f"unreadable: {type(exc).__name__}: {exc}")
+        return None
+    if raw is not None and len(raw) > MAX_VERDICT_BYTES:
+        _ignored(path, f"foreign: larger than {MAX_VERDICT_BYTES} bytes")
         return None
     return _decode_json(path, raw)
 

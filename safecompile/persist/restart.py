@@ -71,8 +71,10 @@ class Persisted:
 
     def __init__(self, target: Callable[..., Any], options: Mapping[str, Any]) -> None:
         root = usable_root()
-        self._store = VerdictStore(root) if root is not None else None
-        self._root = root if self._store is not None and self._store.signer else None
+        store = VerdictStore(root) if root is not None else None
+        # without a key nothing is persisted here (the store said so, once)
+        self._store = store if store is not None and store.signer is not None else None
+        self._root = root if self._store is not None else None
         self._target = target
         self._options = dict(options)
         self._key: str | None = None
