@@ -109,7 +109,7 @@ def main() -> None:
 
     # Show safecompile's state-change log events: it is silent unless the application
     # configures logging. With the standard library at INFO, each event is one line.
-    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="   log: %(message)s")
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="log: %(message)s")
 
     torch.manual_seed(0)
     print(

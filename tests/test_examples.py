@@ -72,7 +72,8 @@ def test_quickstart(example_env: dict[str, str]) -> None:
     assert "with SAFECOMPILE_DISABLE=demo.* the ranker is disabled" in out
     assert "and after unsetting it, compiled again" in out
     # safecompile's own log events are printed too (the demo configures logging).
-    assert any(line.startswith("   log: ") and "rollback" in line for line in out.splitlines())
+    assert any(line.startswith("log: ") and "rollback" in line for line in out.splitlines())
+    assert max(len(line) for line in out.splitlines()) <= 200  # a line fits a terminal
 
 
 def test_metrics_prometheus(
