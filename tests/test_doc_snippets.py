@@ -17,7 +17,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = ["README.md", "docs/index.md", "docs/quickstart.md", "docs/faq.md", "docs/rollout.md"]
+PAGES = [
+    "README.md",
+    "docs/index.md",
+    "docs/quickstart.md",
+    "docs/faq.md",
+    "docs/rollout.md",
+    "docs/testing.md",
+    "docs/troubleshooting.md",
+]
 TIMEOUT_S = 180  # each page takes seconds; the bound only stops a hang
 
 # Run before the snippets: safe_compile as imported from safecompile defaults to aot_eager.

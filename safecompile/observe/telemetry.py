@@ -1,6 +1,7 @@
 """OpenTelemetry traces and metrics, and structlog events, for one guarded callable.
 
-Names are fixed by API.md §4. One frozen :class:`~safecompile.Event` feeds every sink:
+Names are fixed: they are the public contract (docs/telemetry.md). One frozen
+:class:`~safecompile.Event` feeds every sink:
 
 - ``compiled`` / ``compile_failed``: a ``safecompile.compile`` span (made after the fact
   from the event's end time and duration) with one ``safecompile.graph_break`` event per
