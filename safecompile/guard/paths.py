@@ -520,6 +520,8 @@ def _plan_bucket(
             return None
         return None, None  # compile the shape as it is
     if plan is None or plan.status != "bucketed":
+        if plan is not None:  # a dim past the argument's rank: ConfigError
+            c._buckets.bucketer.check_dims(args, kwargs)
         return None, None  # unbucketable: run it unpadded
     entry = c._buckets.entry(plan)
     if not entry.looked_up:  # what an earlier process learnt (_restart)
