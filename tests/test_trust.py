@@ -738,3 +738,29 @@ def test_a_verdict_file_that_blocks_on_read_is_not_waited_for(tmp_path: Path) ->
         assert returns_within(lambda: store.get("ab" * 16)) is None
     (ignored,) = events(logs, "cache_file_ignored")
     assert "not a regular file" in ignored["reason"]
+
+
+@pytest.mark.inductor
+def test_a_replica_compiling_with_inductor_never_unpickles_an_attackers_entry(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """Item 1 end to end: replica 1 fills Redis through torch's own caches (inductor); an
+    attacker overwrites every ``pt2:`` value with a pickle payload; replica 2 (its own
+    empty cache dir) compiles: the payload never runs, results are right, and the graphs
+    are compiled afresh instead of loaded."""
+    from test_remote_cache import INDUCTOR_CHILD, replica
+
+    redis = pytest.importorskip("redis")
+    first = replica(INDUCTOR_CHILD, url=redis_url, cache_dir=tmp_path / "one")
+    assert first["close"]
+    client = redis.Redis.from_url(redis_url)
+    names = list(client.scan_iter(match="pt2:*"))
+    assert names, "replica 1 wrote nothing to torch's remote caches"
+    marker = tmp_path / "pwned"
+    for name in names:
+        client.set(name, torch_entry(marker))
+    second = replica(INDUCTOR_CHILD, url=redis_url, cache_dir=tmp_path / "two")
+    assert not marker.exists()
+    assert second["close"]
+    assert second["state"] == "compiled"
+    assert second["fx_hits"] == second["aot_hits"] == 0
