@@ -1,4 +1,5 @@
-"""What the examples share: the backend they compile with, and one line per guarded callable.
+"""What the examples share (quickstart.py excepted, which is one file): the backend they
+compile with, and one line per guarded callable.
 
 Every example takes ``--backend``; its default is ``$SAFECOMPILE_EXAMPLE_BACKEND`` when set
 (CI sets ``aot_eager``: quick, no C++ compiler), else the example's own default. The
@@ -62,24 +63,3 @@ def summary(guarded: Any) -> str:
         f"graph_breaks={stats.graph_breaks} shadow_checks={stats.shadow_checks} "
         f"rollbacks={stats.rollbacks}"
     )
-
-
-def canary_lines(guarded: Any) -> list[str]:
-    """Why the state is what it is: each graph's calls, checks and canary checks left.
-
-    The state is the callable's: ``canary`` while any of its graphs still has canary
-    checks left (``Shadow(canary=N)``: the first N calls of each graph are compared with
-    eager), ``compiled`` once every graph has passed its own.
-    """
-    report = guarded.safecompile.report()
-    lines = []
-    for graph in report["graphs"]:
-        left = graph["canary_left"]
-        where = f"{left} canary check(s) left" if left else "canary done"
-        if graph["unchecked"]:
-            where = f"never checked: {graph['unchecked']}"
-        lines.append(
-            f"graph {graph['id']} ({graph['inputs']}): {graph['calls']} call(s), "
-            f"{graph['checks']} checked, {where}"
-        )
-    return lines
