@@ -203,6 +203,56 @@ def test_a_peer_that_dies_trips_the_others_instead_of_hanging(timeouts: Results)
     assert dead["ranks"]["ended"]
 
 
+@pytest.fixture(scope="module")
+def channel(tmp_path_factory: pytest.TempPathFactory) -> Results:
+    """Two ranks that make different calls, and a module with a collective in forward."""
+    results = _run_scenario("channel", 2, tmp_path_factory.mktemp("channel"))
+    assert sorted(results) == [0, 1]
+    return results
+
+
+def test_an_extra_call_on_one_rank_never_pairs_with_the_users_collective(
+    channel: Results,
+) -> None:
+    """Rank 0 makes one more guarded call (a safe point) before both ranks all_reduce 8
+    floats: the user's collective gets its right values on both ranks; rank 0 gives up
+    waiting and serves eager, rank 1 learns it at its own safe point."""
+    for rank, seen in channel.items():
+        extra = seen["extra"]
+        assert extra["reduced"] == [3.0] * 8, rank
+        assert all(extra["equal"]), rank
+        assert extra["states"][-1] == "rolled_back", rank
+        (event,) = extra["rollbacks"]
+        assert event["reason"] == "peer", rank
+    assert "sync_timeout" in channel[0]["extra"]["rollbacks"][0]["details"]["sync_error"]
+    assert "after another" in channel[1]["extra"]["rollbacks"][0]["details"]["sync_error"]
+
+
+def test_sync_on_one_rank_only_is_caught_not_paired(channel: Results) -> None:
+    """``sync()`` on rank 0 alone: its safe point and rank 1's next periodic one carry the
+    same index at different calls; both ranks see it, leave the agreement and serve eager."""
+    for rank, seen in channel.items():
+        lone = seen["lone"]
+        (event,) = lone["rollbacks"]
+        assert event["reason"] == "peer", rank
+        assert "different calls" in event["details"]["sync_error"], rank
+        assert "rank 0 at call 2, rank 1 at call 4" in event["details"]["sync_error"], rank
+        assert lone["ended"], rank
+        assert all(lone["equal"]), rank
+
+
+def test_a_collective_inside_forward_with_drift_on_one_rank(channel: Results) -> None:
+    """A module that all_reduces inside forward; rank 1's compiled graph drifts from its
+    first run. Every call on both ranks returns eager's value (the sum over ranks): rank
+    1 serves eager from the call that caught the drift, rank 0 follows by the safe point."""
+    for rank, seen in channel.items():
+        collective = seen["collective"]
+        assert all(collective["equal"]), (rank, collective["equal"])
+        assert collective["states"][-1] == "rolled_back", rank
+    assert channel[1]["collective"]["states"][0] == "rolled_back"  # at once, not at call 4
+    assert [e["reason"] for e in channel[1]["collective"]["rollbacks"]] == ["drift"]
+
+
 # ---------------------------------------------------------------------- in this process
 
 
@@ -220,26 +270,35 @@ class _Group:
 
 
 class _Peers(Agreement):
-    """An agreement whose collective is simulated: the peers' verdicts are given."""
+    """An agreement whose exchange is simulated: the peers' verdicts are given."""
 
     def __init__(self, rank: int, peers: dict[int, Local], *, late_ms: int = 0) -> None:
         super().__init__(_Group(rank, len(peers) + 1), every=4, timeout=2.0)
         self._peers = peers
         self._late_ms = late_ms  # how much later than this rank the peers enter
 
-    def _all_reduce(self, group: Any, values: list[int]) -> list[int]:
-        entered = values[2] + self._late_ms
-        rows = [values]
-        rows += [_encode(local, rank, group.size(), entered) for rank, local in self._peers.items()]
-        return [max(column) for column in zip(*rows, strict=True)]
+    def _exchange(self, group: Any, index: int, row: list[int]) -> list[list[int]]:
+        call, entered = row[1], row[5] + self._late_ms
+        rows = {group.rank(): row}
+        for rank, local in self._peers.items():
+            rows[rank] = _encode(local, rank, group.size(), index, call, entered)
+        return [rows[rank] for rank in range(group.size())]
 
 
-def _encode(local: Local, rank: int, world: int, entered_ms: float) -> list[int]:
-    """What a peer puts into the collective (its own agreement encodes it)."""
+def _encode(
+    local: Local, rank: int, world: int, index: int, call: int, entered_ms: float
+) -> list[int]:
+    """What a peer writes at safe point ``index`` (its own agreement encodes it)."""
     captured: list[list[int]] = []
     probe = Agreement(_Group(rank, world), every=4, timeout=2.0, wall=lambda: entered_ms / 1000)
-    probe._all_reduce = lambda _g, v: captured.append(v) or v  # type: ignore[method-assign]
-    probe.agree(local, 0)
+    probe.safe_points = index - 1
+
+    def capture(_group: Any, _index: int, row: list[int]) -> list[list[int]]:
+        captured.append(row)
+        return [row] * world
+
+    probe._exchange = capture  # type: ignore[method-assign]
+    probe.agree(local, call)
     return captured[0]
 
 
@@ -550,6 +609,91 @@ def _dead(rank: int, result: dict[str, Any], where: Path) -> dict[str, Any]:
     }
 
 
+def _channel_rank(rank: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    timeout = Rollback(sync_every=4, sync_timeout=_SYNC_TIMEOUT_S)
+
+    # Rank 0 makes one extra guarded call (index 4: a safe point), then both all_reduce.
+    extra = safe_compile(_f, backend="eager", group=True, rollback=timeout, name="ch.extra")
+    inputs = _inputs(5)
+    states, equal = _calls(extra, _f, inputs[:4])
+    if rank == 0:
+        more_states, more_equal = _calls(extra, _f, inputs[4:])
+    values = torch.full((8,), 1.5)
+    dist.all_reduce(values)  # the user's own collective
+    if rank == 1:  # its fifth call comes after
+        more_states, more_equal = _calls(extra, _f, inputs[4:])
+    out["extra"] = {
+        "reduced": values.tolist(),
+        "states": states + more_states,
+        "equal": equal + more_equal,
+        "rollbacks": _rollbacks(extra),
+    }
+
+    # sync() on rank 0 only, after 2 calls; rank 1 meets its periodic safe point at 4.
+    lone = safe_compile(
+        _g,
+        backend="eager",
+        group=True,
+        rollback=Rollback(sync_every=4, sync_timeout=60.0),
+        name="ch.lone",
+    )
+    inputs = _inputs(6)
+    _, equal = _calls(lone, _g, inputs[:2])
+    if rank == 0:
+        lone.safecompile.sync()
+    _, more = _calls(lone, _g, inputs[2:])
+    out["lone"] = {
+        "equal": equal + more,
+        "rollbacks": _rollbacks(lone),
+        "ended": lone.safecompile.report()["ranks"]["ended"],
+    }
+
+    # A collective inside forward; rank 1's compiled graph drifts from its first run.
+    torch.manual_seed(0)
+    module = _Reducing()
+    layer = module.lin  # not guarded: the reference
+    guarded = safe_compile(
+        module,
+        backend=DriftingBackend(scale=1.5) if rank == 1 else "eager",
+        group=True,
+        rollback=Rollback(sync_every=4),
+        shadow=Shadow(canary=1, every=0),
+        name="ch.collective",
+    )
+    states, equal = [], []
+    for step in range(8):
+        with torch.no_grad():
+            got = guarded(_rank_input(rank, step))
+            want = 2 * sum(layer(_rank_input(peer, step)) for peer in range(2))
+        equal.append(bool(torch.allclose(got, want)))
+        states.append(guarded.safecompile.state.value)
+    out["collective"] = {
+        "states": states,
+        "equal": equal,
+        "rollbacks": _rollbacks(guarded),
+    }
+    return out
+
+
+class _Reducing(torch.nn.Module):
+    """A layer whose output is summed over the ranks inside forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        dist.all_reduce(y)
+        return y * 2
+
+
+def _rank_input(rank: int, step: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(4, 8, generator=gen)
+
+
 def _wait_for(path: Path) -> None:
     """Another process's signal (bounded: the scenario's own limit ends a hang)."""
     deadline = time.monotonic() + 60
@@ -567,6 +711,8 @@ def _main(scenario: str, rank: int, world: int, where: Path) -> None:
     )
     if scenario == "agree":
         result = _agree_rank(rank)
+    elif scenario == "channel":
+        result = _channel_rank(rank)
     else:
         result = {"late": _late(rank, where)}
         result["dead"] = _dead(rank, result, where)

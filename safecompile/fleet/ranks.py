@@ -1,42 +1,48 @@
 """Ranks that agree: local verdicts agreed across a ``torch.distributed`` process group.
 
-With ``safe_compile(..., group=...)`` a trip on one rank does not switch that rank
-alone (a compiled graph holding collectives on one rank against eager on another can
-hang the job, and numerics would diverge). The trip is *held* and every rank switches
-together at the next *safe point*: every ``Rollback(sync_every=N)`` calls of the guarded
+With ``safe_compile(..., group=...)`` the ranks of a process group leave the compiled
+path together, at *safe points*: every ``Rollback(sync_every=N)`` calls of the guarded
 callable (counted on every path, so all ranks of an SPMD program meet at the same call
-index) and at an explicit ``wrapped.safecompile.sync()``.
+index) and at an explicit ``wrapped.safecompile.sync()``. Which verdicts apply on their
+own rank at once and which are held until then is :mod:`safecompile.guard.trips`'s
+business; this module carries the verdicts.
 
-A safe point is one small collective: an ``all_reduce(MAX)`` of four int64s per rank,
+**Their own channel.** A safe point never runs a collective on the user's communicator
+(one would pair with the user's own collectives whenever the ranks' call counts differ,
+and corrupt them). Every rank writes one row to the c10d store the process group was
+built on (``init_process_group``'s store, which already has timeouts), under a key of
+its own: the callable's name and its ordinal among the callables of that name in the
+process, the group's ranks, the safe point's index, the rank. A row carries
 
-- ``key``: ``(world - rank) << 8 | reason`` when the rank tripped (held or applied),
-  else 0 — the maximum names the lowest tripped rank and its reason;
-- ``blocked``: 0 only when the rank is tripped, its ``retry_after`` wait is over and
-  nothing new is held — a maximum of 0 means every rank may try compiled again;
-- the wall-clock milliseconds at which the rank entered, and their negation — the spread
-  tells a rank that came late that a peer already gave up waiting for it.
+``[index, call, tripped, reason, ready, entered_ms]``:
 
-Every collective waits at most ``Rollback(sync_timeout=...)`` seconds. A collective that
-fails or times out (a peer died, hangs, or never reaches the safe point) ends the
-agreement for this process: the rank trips to eager (reason ``peer``) and never runs a
-collective of safecompile's again.
+- ``index``: the safe point's number (1, 2, ...) and ``call``: the call index it was
+  reached at. Rows of one index with different calls mean the ranks' call counts differ
+  (an extra guarded call, a ``sync()`` on one rank only): the agreement ends on every rank
+  (reason ``peer``), nothing is paired;
+- ``tripped``, ``reason``: this rank's verdict; the lowest tripped rank's reason is the
+  one every rank records;
+- ``ready``: tripped, its ``retry_after`` wait over, nothing new held: when every rank is
+  ready, all try the compiled path again;
+- ``entered_ms``: the wall clock at entry; a spread past the timeout tells a rank that
+  came late that a peer already gave up waiting for it.
 
-One verdict is not held: a compile error trips its own rank at once (it has no compiled
-code to run, and would compile again on every call); the peers follow at the next safe
-point. Retries (``retry_after``) are agreed as well: never taken by one rank alone.
+Every wait is bounded by ``Rollback(sync_timeout=...)``. A rank that gives up (a peer
+died, hangs, or never reaches the safe point) writes an ``ended`` key, so a late peer
+learns it at its next safe point at once; the agreement ends for this process and no
+row is written again.
 """
 
 from __future__ import annotations
 
-import datetime
+import contextlib
 import itertools
+import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
-
-import torch
 
 from safecompile.base.errors import ConfigError
 from safecompile.base.model import Event, Reason
@@ -45,7 +51,6 @@ __all__ = ["Agreement", "Local", "Outcome", "check_group"]
 
 # Reason codes on the wire: position + 1 (0: not tripped). Every rank runs the same code.
 _CODES: tuple[Reason, ...] = tuple(Reason)
-_REASON_BITS = 8
 
 
 def check_group(group: object) -> None:
@@ -113,15 +118,17 @@ class Agreement:
         *,
         every: int,
         timeout: float,
+        name: str = "safecompile",
         wall: Callable[[], float] = time.time,
     ) -> None:
         self._group = group  # a ProcessGroup, or True: the default group, resolved lazily
         self.every = every
         self.timeout = timeout
+        self._channel = _channel(name)  # decorated in the same order on every rank
         self._wall = wall
         self._calls = itertools.count()  # next() is atomic: one index per call
         self._lock = threading.Lock()  # one safe point at a time
-        self._held_lock = threading.Lock()  # never held across a collective
+        self._held_lock = threading.Lock()  # never held across a safe point
         self._held: Event | None = None  # the first trip held since the last safe point
         self.broken: str | None = None  # why the agreement ended
         self.safe_points = 0
@@ -180,19 +187,32 @@ class Agreement:
             rank, world = int(group.rank()), int(group.size())
             self.rank, self.world = rank, world
             self.safe_points += 1
-            key = 0
-            if local.tripped:
-                code = _CODES.index(local.reason) + 1 if local.reason in _CODES else 0
-                key = ((world - rank) << _REASON_BITS) | code
-            entered = int(self._wall() * 1000)
-            mine = [key, 0 if local.ready else 1, entered, -entered]
+            index = self.safe_points
+            code = _CODES.index(local.reason) + 1 if local.reason in _CODES else 0
+            row = [
+                index,
+                call,
+                int(local.tripped),
+                code if local.tripped else 0,
+                int(local.ready),
+                int(self._wall() * 1000),
+            ]
             try:
-                seen = self._all_reduce(group, mine)
-            except Exception as exc:  # a dead peer, a timeout, a group torn down
-                self.broken = _why(exc, self.timeout)
+                rows = self._exchange(group, index, row)
+            except _PeerLeft as left:
+                self.broken = (
+                    f"this rank reached safe point {index} after another had left the "
+                    f"agreement ({left})"
+                )
                 return Outcome(call=call, rank=rank, world=world, failure=self.broken)
-            outcome = _decode(seen, call, rank, world, self.timeout)
+            except Exception as exc:  # a dead peer, a timeout, a store torn down
+                self.broken = _why(exc, self.timeout)
+                self._leave(group, self.broken)
+                return Outcome(call=call, rank=rank, world=world, failure=self.broken)
+            outcome = _decode(rows, index, call, rank, world, self.timeout)
             self.broken = outcome.failure
+            if outcome.failure is not None:
+                self._leave(group, outcome.failure)
             return outcome
 
     def _resolve(self) -> Any:
@@ -206,21 +226,55 @@ class Agreement:
         self._group = group
         return group
 
-    def _all_reduce(self, group: Any, values: list[int]) -> list[int]:
+    def _exchange(self, group: Any, index: int, row: list[int]) -> list[list[int]]:
+        """Every rank's row of safe point ``index`` (in rank order), through the store:
+        never a collective on the group itself. Raises on a timeout, or when a peer left."""
+        store, prefix = self._store(group)
+        rank, world = int(group.rank()), int(group.size())
+        ended = f"{prefix}/ended"
+        _left(store, ended)
+        store.set(f"{prefix}/{index}/{rank}", json.dumps(row))
+        keys = [f"{prefix}/{index}/{peer}" for peer in range(world)]
+        self._await(store, keys, ended)
+        rows = [json.loads(store.get(key)) for key in keys]
+        if index > 1:  # every rank has read the previous rows: they wrote these after
+            with contextlib.suppress(Exception):
+                store.delete_key(f"{prefix}/{index - 1}/{rank}")
+        return [[int(value) for value in found] for found in rows]
+
+    def _await(self, store: Any, keys: list[str], ended: str) -> None:
+        """Wait until every key is there (at most ``timeout`` seconds), or a peer left."""
+        deadline = time.monotonic() + self.timeout
+        pause = 0.0005
+        while not store.check(keys):
+            _left(store, ended)
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no answer within sync_timeout={self.timeout}s")
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.05)
+
+    def _leave(self, group: Any, why: str) -> None:
+        """Tell the peers this rank left the agreement (best effort: it may be the store
+        that failed)."""
+        with contextlib.suppress(Exception):
+            store, prefix = self._store(group)
+            if not store.check([f"{prefix}/ended"]):
+                store.set(f"{prefix}/ended", f"rank {group.rank()}: {why}")
+
+    def _store(self, group: Any) -> tuple[Any, str]:
+        """The store the process group was built on, and this agreement's key prefix."""
         dist = _dist()
-        tensor = torch.tensor(values, dtype=torch.int64, device=_device(dist, group))
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True)
-        # A timeout raises (gloo) or returns False; either way the collective is
-        # abandoned and the group may be unusable: the caller stops syncing.
-        if work.wait(timeout=datetime.timedelta(seconds=self.timeout)) is False:
-            raise TimeoutError(f"no answer within sync_timeout={self.timeout}s")
-        return [int(v) for v in tensor.tolist()]
+        ranks = dist.get_process_group_ranks(group)
+        prefix = f"safecompile/{self._channel}/{'-'.join(str(r) for r in ranks)}"
+        return dist.distributed_c10d._get_default_store(), prefix
 
     def report(self) -> dict[str, Any]:
         """The agreement's state, for ``report()``."""
         return {
             "rank": self.rank,
             "world": self.world,
+            "channel": self._channel,
             "sync_every": self.every,
             "sync_timeout": self.timeout,
             "safe_points": self.safe_points,
@@ -229,44 +283,70 @@ class Agreement:
         }
 
 
-def _decode(seen: list[int], call: int, rank: int, world: int, timeout: float) -> Outcome:
-    """What every rank's verdicts, reduced with MAX, say."""
-    top, blocked, latest, earliest = seen[0], seen[1], seen[2], -seen[3]
-    if latest - earliest > timeout * 1000:
-        # The first rank in waited past the timeout and left: this collective only
-        # completed because a late rank met the one it abandoned.
-        return Outcome(
-            call=call,
-            rank=rank,
-            world=world,
-            failure=f"a peer entered this safe point {(latest - earliest) / 1000:.1f}s after "
-            f"another, past sync_timeout={timeout}s: the rank that waited left the agreement",
+class _PeerLeft(Exception):
+    """A peer ended the agreement before this rank's safe point completed."""
+
+
+def _left(store: Any, ended: str) -> None:
+    """Raise :class:`_PeerLeft` when a peer has ended the agreement."""
+    if store.check([ended]):
+        raise _PeerLeft(bytes(store.get(ended)).decode(errors="replace"))
+
+
+_CHANNELS: dict[str, int] = {}
+_CHANNELS_LOCK = threading.Lock()
+
+
+def _channel(name: str) -> str:
+    """``name#n``: the n-th agreement of that name in this process (every rank decorates
+    in the same order, so the same callable gets the same channel on every rank)."""
+    with _CHANNELS_LOCK:
+        count = _CHANNELS.get(name, 0) + 1
+        _CHANNELS[name] = count
+    return f"{name}#{count}"
+
+
+def _decode(
+    rows: list[list[int]], index: int, call: int, rank: int, world: int, timeout: float
+) -> Outcome:
+    """What every rank's row of one safe point says (the same on every rank)."""
+    same = Outcome(call=call, rank=rank, world=world)
+    calls = [row[1] for row in rows]
+    if any(row[0] != index for row in rows) or len(set(calls)) > 1:
+        seen = ", ".join(f"rank {peer} at call {at}" for peer, at in enumerate(calls))
+        return replace(
+            same,
+            failure=f"the ranks reached safe point {index} at different calls ({seen}): "
+            "their guarded calls differ (an extra call, or sync() on some ranks only), "
+            "so their verdicts cannot be paired",
         )
-    if top == 0:
-        return Outcome(call=call, rank=rank, world=world)
-    code = top & ((1 << _REASON_BITS) - 1)
-    return Outcome(
-        call=call,
-        rank=rank,
-        world=world,
+    entered = [row[5] for row in rows]
+    spread = max(entered) - min(entered)
+    if spread > timeout * 1000:
+        # The first rank in waited past the timeout and left; its row was there when
+        # this late rank looked, before it said so.
+        return replace(
+            same,
+            failure=f"a peer entered this safe point {spread / 1000:.1f}s after another, "
+            f"past sync_timeout={timeout}s: the rank that waited left the agreement",
+        )
+    tripped = [(peer, row) for peer, row in enumerate(rows) if row[2]]
+    if not tripped:
+        return same
+    origin, row = tripped[0]
+    code = row[3]
+    return replace(
+        same,
         trip=True,
-        origin=world - (top >> _REASON_BITS),
+        origin=origin,
         origin_reason=_CODES[code - 1] if 0 < code <= len(_CODES) else None,
-        recover=blocked == 0,
+        recover=all(found[2] and found[4] for found in rows),
     )
-
-
-def _device(dist: Any, group: Any) -> torch.device:
-    """Where the verdict tensor lives: the CPU unless the group only speaks NCCL."""
-    backend = str(dist.get_backend(group))
-    if "nccl" in backend and "gloo" not in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _why(error: BaseException, timeout: float) -> str:
     text = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
     kind = type(error).__name__
-    if "timed out" in text.lower() or isinstance(error, TimeoutError):
+    if "timed out" in text.lower() or "timeout" in text.lower() or isinstance(error, TimeoutError):
         return f"no answer from a peer within sync_timeout={timeout}s ({kind})"
-    return f"the safe point's collective failed ({kind}: {text})"
+    return f"the safe point's store failed ({kind}: {text})"

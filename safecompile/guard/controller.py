@@ -159,7 +159,12 @@ class Controller:
                 last_reason=self._last_reason,
                 location=self._location,
             ),
-            Agreement(opts.group, every=rollback.sync_every, timeout=rollback.sync_timeout)
+            Agreement(
+                opts.group,
+                every=rollback.sync_every,
+                timeout=rollback.sync_timeout,
+                name=self.name,
+            )
             if opts.group is not None
             else None,
         )
