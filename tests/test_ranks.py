@@ -345,6 +345,26 @@ def test_a_spread_past_the_timeout_ends_the_agreement() -> None:
     assert not agreement.holds()
 
 
+def test_different_calls_at_one_safe_point_end_the_agreement() -> None:
+    """A peer's row of the same safe point names another call: the call counts differ,
+    nothing is paired, and every rank leaves the agreement (the same verdict on each)."""
+
+    class _Behind(_Peers):
+        def _exchange(self, group: Any, index: int, row: list[int]) -> list[list[int]]:
+            rows = super()._exchange(group, index, row)
+            rows[1] = [rows[1][0], rows[1][1] + 1, *rows[1][2:]]  # rank 1: one call later
+            return rows
+
+    agreement = _Behind(0, {1: _OK})
+    outcome = agreement.agree(_OK, 64)
+    assert outcome is not None
+    assert outcome.failure is not None
+    assert "rank 0 at call 64, rank 1 at call 65" in outcome.failure
+    assert not outcome.trip
+    assert agreement.agree(_OK, 128) is None  # nothing more once it has ended
+    assert agreement.report()["ended"] == outcome.failure
+
+
 def test_group_none_adds_nothing() -> None:
     """No group: no agreement object, trips apply at once, ``sync()`` is a no-op."""
     guarded = safe_compile(lambda x: x + 1, backend=RuntimeFailingBackend())

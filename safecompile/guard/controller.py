@@ -314,10 +314,12 @@ class Controller:
     def sync(self) -> State:
         """Agree on trips with every rank of the process group now, and return the state.
 
-        A collective: call it on every rank at the same point (a training step's
-        boundary). A trip held on any rank switches every rank here, together; it waits
-        at most ``Rollback(sync_timeout=...)`` for the peers. Without a group: nothing to
-        agree, the state is returned.
+        Call it on every rank at the same point (a training step's boundary): the ranks
+        meet here through the process group's store, never on its communicator. A trip
+        held on any rank switches every rank here, together; it waits at most
+        ``Rollback(sync_timeout=...)`` for the peers, and a rank that calls it alone is
+        caught (the ranks' call counts differ) and leaves the agreement. Without a
+        group: nothing to agree, the state is returned.
         """
         if self._ranks is not None:
             compiled, eager, _ = self._slots.totals()
