@@ -25,14 +25,17 @@ Two guarded callables serve twelve requests, each request in a span of its own:
    compile fails on purpose. The caller still gets eager's answer; the compile span and a
    ``safecompile.rollback`` span carry ``error.type`` and the line that failed.
 
-structlog prints safecompile's events as JSON lines on stdout, each with the ``trace_id``
-and ``span_id`` of its span: search the trace view for the ``trace_id`` of a log line.
-No tensor values are in either.
+structlog prints safecompile's events as JSON on stdout (indented here, to read; a log
+pipeline would take one object a line), each with the ``trace_id`` and ``span_id`` of its
+span: search the trace view for the ``trace_id`` of a log event. Printed spans show each
+long text (torch's messages) up to its first line; the exporter sends it whole. No tensor
+values are in either.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -45,7 +48,7 @@ from torch import nn
 with needs_extra("otel"):
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
     from opentelemetry.sdk.trace.export import (
         BatchSpanProcessor,
         ConsoleSpanExporter,
@@ -73,19 +76,37 @@ def make_tracer_provider() -> tuple[TracerProvider, str]:
         processor = BatchSpanProcessor(OTLPSpanExporter())
         where = f"OTLP/HTTP, endpoint {endpoint}"
     else:
-        processor = SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stderr))
+        processor = SimpleSpanProcessor(ConsoleSpanExporter(out=sys.stderr, formatter=_shown))
         where = "console (stderr): set OTEL_EXPORTER_OTLP_ENDPOINT to export"
     provider.add_span_processor(processor)
     return provider, where
 
 
+_SHOWN_LIMIT = 120  # characters of a long text value a printed span shows
+
+
+def _shortened(value: object) -> object:
+    if isinstance(value, str) and len(value) > _SHOWN_LIMIT:
+        return value.splitlines()[0][: _SHOWN_LIMIT - 1] + "\u2026"
+    if isinstance(value, dict):
+        return {k: _shortened(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_shortened(v) for v in value]
+    return value
+
+
+def _shown(span: ReadableSpan) -> str:
+    """A span as the console shows it: indented JSON, long texts cut at their first line."""
+    return json.dumps(_shortened(json.loads(span.to_json())), indent=4) + os.linesep
+
+
 def configure_logging() -> None:
-    """JSON lines on stdout: the application's choice, which safecompile then follows."""
+    """JSON on stdout: the application's choice, which safecompile then follows."""
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.JSONRenderer(sort_keys=False),
+            structlog.processors.JSONRenderer(sort_keys=False, indent=2),
         ],
         logger_factory=structlog.PrintLoggerFactory(file=sys.stdout),
         wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),

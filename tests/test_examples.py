@@ -143,7 +143,9 @@ def test_tracing(example_env: dict[str, str]) -> None:
     assert attrs["code.file.path"].endswith("examples/tracing.py")
     assert attrs["code.line.number"] == line_of("tracing.py", "if h.mean() > 0.5")
 
-    logs = [json.loads(line) for line in done.stdout.splitlines()]
+    logs = _console_spans(done.stdout)  # the log events: JSON objects one after the other
+    lines = (done.stdout + done.stderr).splitlines()
+    assert max(len(line) for line in lines) <= 200, max(lines, key=len)
     traces = {s["context"]["trace_id"].removeprefix("0x") for s in spans}
     assert {"safecompile.compiled", "safecompile.rollback"} <= {log["event"] for log in logs}
     assert all(log["trace_id"] in traces for log in logs if "trace_id" in log)
