@@ -34,6 +34,7 @@ __all__ = [
     "DriftingBackend",
     "FailingBackend",
     "FakeClock",
+    "PoolBackend",
     "RecordingBackend",
     "RuntimeFailingBackend",
     "SlowBackend",
@@ -145,6 +146,39 @@ class DriftingBackend(RecordingBackend):
             drifted = drifted.clone()
             drifted.view(-1)[0] = float("nan")
         return drifted
+
+
+class PoolBackend(RecordingBackend):
+    """Imitates CUDA graphs' static output pool on CPU: every run of a graph writes its
+    outputs into the same tensors (one per graph and output position, kept while its
+    shape and dtype hold), as a replay overwrites its pool. A caller still holding an
+    output of an earlier run sees it change: what the guard must never read late.
+
+    Outputs that carry gradients are returned as computed (a copy into the pool would
+    cut them off their graph).
+    """
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        pool: dict[int, torch.Tensor] = {}
+
+        def replay(*args: Any) -> Any:
+            out = gm.forward(*args)
+            if not isinstance(out, list | tuple):
+                return out
+            return type(out)(_into_pool(pool, i, o) for i, o in enumerate(out))
+
+        return replay
+
+
+def _into_pool(pool: dict[int, torch.Tensor], i: int, out: Any) -> Any:
+    if not isinstance(out, torch.Tensor) or out.requires_grad:
+        return out
+    static = pool.get(i)
+    if static is None or static.shape != out.shape or static.dtype != out.dtype:
+        static = pool[i] = torch.empty_like(out)
+    with torch.no_grad():
+        static.copy_(out)
+    return static
 
 
 class SlowBackend(RecordingBackend):

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.utils import _pytree as pytree
 
 __all__ = ["After", "Snapshot", "contents_of"]
 
@@ -54,9 +55,19 @@ class After:
     # (the object, what the compiled run left in it, what eager left in it)
     objects: list[tuple[_Object, Any, Any]] = field(default_factory=list)
 
+    def compiled_value(self, value: Any) -> Any:
+        """``value`` as the compiled run left it: a tensor it updated in place (put back
+        since, for eager) is read from the copy of the compiled run's values. So an
+        output or a state that *is* such a tensor — a CUDA graph's static output, fed
+        back as the next call's state — is compared with what the compiled run wrote."""
+        saved = {id(t): v for t, v in self.tensors}
+        if not saved:
+            return value
+        return pytree.tree_map_only(torch.Tensor, lambda t: saved.get(id(t), t), value)
+
     def object_states(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """What the compiled run and eager left in each Python object, by its name."""
-        compiled = {o.name: _comparable(c) for o, c, _ in self.objects}
+        compiled = {o.name: _comparable(self.compiled_value(c)) for o, c, _ in self.objects}
         eager = {o.name: _comparable(e) for o, _, e in self.objects}
         return compiled, eager
 
@@ -78,10 +89,25 @@ class After:
             _put(o.obj, o.keys, compiled)
 
     def compiled_tensors(self) -> list[torch.Tensor | None]:
-        return [v for _, v in self.tensors] + [c for _, _, c, _ in self.rebound]
+        moved = self._moved()
+        return [v for t, v in self.tensors if id(t) not in moved] + [
+            self.compiled_value(c) for _, _, c, _ in self.rebound
+        ]
 
     def eager_tensors(self) -> list[torch.Tensor | None]:
-        return [t for t, _ in self.tensors] + [e for _, _, _, e in self.rebound]
+        moved = self._moved()
+        return [t for t, _ in self.tensors if id(t) not in moved] + [
+            e for _, _, _, e in self.rebound
+        ]
+
+    def _moved(self) -> set[int]:
+        """Tensors updated in place by the compiled run whose place (a buffer, an object's
+        attribute) eager rebound to a new tensor: compared by their place, not in place."""
+        moved = {id(c) for _, _, c, e in self.rebound if c is not e}
+        for _, compiled, eager in self.objects:
+            if isinstance(compiled, dict) and isinstance(eager, dict):
+                moved.update(id(v) for k, v in compiled.items() if v is not eager.get(k, ABSENT))
+        return moved
 
     def attrs_differ(self) -> str | None:
         for _, name, compiled, eager in self.attrs:
@@ -188,8 +214,17 @@ class Snapshot:
         return After(tensors, rebound, attrs, objects)
 
     def settle(self, after: After) -> After:
-        """After eager ran: fill in eager's side of every update, for the comparison."""
+        """After eager ran: fill in eager's side of every update, for the comparison
+        (a buffer eager rebound where the compiled run updated it in place included)."""
         after.rebound = [(m, n, c, m._buffers.get(n)) for m, n, c, _ in after.rebound]
+        listed = {(id(m), n) for m, n, _, _ in after.rebound}
+        for state in self.modules:
+            now = state.module._buffers
+            after.rebound.extend(
+                (state.module, name, before, now.get(name))
+                for name, before in state.buffers.items()
+                if (id(state.module), name) not in listed and now.get(name) is not before
+            )
         after.attrs = [(m, n, c, getattr(m, n, None)) for m, n, c, _ in after.attrs]
         after.objects = [(o, c, contents_of(o.obj, o.keys)) for o, c, _ in after.objects]
         return after

@@ -40,7 +40,7 @@ from safecompile.observe.source import (
     truncate,
 )
 from safecompile.persist.restart import Persisted
-from safecompile.shapes.buckets import Bucketer
+from safecompile.shapes.buckets import Bucketer, uses_cudagraphs
 from safecompile.shapes.table import BucketTable
 
 from .backend import compile_function, own_frame
@@ -134,6 +134,8 @@ class Controller:
         self._fn = fn
         self._module = module
         self._opts = opts  # resolved by the decorator
+        # CUDA graphs: outputs live in a pool the next replay overwrites (see paths.discarded)
+        self._cudagraphs = uses_cudagraphs(opts.backend_label, opts.mode, opts.options)
         self._compiler = compiler
         shadow, rollback, clock = opts.shadow, opts.rollback, opts.clock
         self._shadow_policy = shadow

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import logging
 import os
 import sys
@@ -34,6 +35,7 @@ from torch.utils import _pytree as pytree
 from safecompile.base import killswitch as ks
 from safecompile.base.model import Event, EventKind, Reason
 from safecompile.checks.compare import compare
+from safecompile.checks.snapshot import Snapshot
 from safecompile.checks.speed import Step
 from safecompile.observe.source import safe_message, truncate, without_our_frames
 from safecompile.shapes.buckets import BucketError, Plan
@@ -280,28 +282,46 @@ def finish(
             first.prep = True  # a later graph is due: capture the state at the first
         else:
             first.prep = False
-            compiled_s = c._clock() - slot.started if new is None else None
-            verdict = c._shadow.check(
-                c._table, due, snapshot, args, kwargs, out, compiled_s=compiled_s
-            )
-            if verdict.use_eager:
-                if not warmup:
-                    slot.eager += 1
-                return verdict.eager_out
-            if verdict.breach is not None:
-                c._trip(
-                    Reason.DRIFT,
-                    message=verdict.breach,
-                    graph=verdict.graph,
-                    max_abs=verdict.max_abs,
-                    max_rel=verdict.max_rel,
-                )
-                if not warmup:
-                    slot.eager += 1
-                return verdict.eager_out
+            answer = _check(c, slot, due, snapshot, out, args, kwargs, new=new, warmup=warmup)
+            if answer is not None:
+                return answer[0]
     if not warmup:
         _count_compiled(c, slot)
     return out
+
+
+def _check(
+    c: Controller,
+    slot: CallSlot,
+    due: list[GraphRecord],
+    snapshot: Snapshot,
+    out: Any,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    *,
+    new: object,
+    warmup: bool,
+) -> tuple[Any] | None:
+    """Shadow-check a compiled call; ``(eager's result,)`` when eager answers it."""
+    compiled_s = None
+    if new is None:  # a call that compiled is not a timing
+        sync_device(out)  # on CUDA: the work done, not its launch
+        compiled_s = c._clock() - slot.started
+    verdict = c._shadow.check(c._table, due, snapshot, args, kwargs, out, compiled_s=compiled_s)
+    if not verdict.use_eager and verdict.breach is None:
+        return None
+    discarded(c)  # the compiled outputs go unused
+    if verdict.breach is not None:
+        c._trip(
+            Reason.DRIFT,
+            message=verdict.breach,
+            graph=verdict.graph,
+            max_abs=verdict.max_abs,
+            max_rel=verdict.max_rel,
+        )
+    if not warmup:
+        slot.eager += 1
+    return (verdict.eager_out,)
 
 
 def _count_compiled(c: Controller, slot: CallSlot) -> None:
@@ -437,7 +457,25 @@ def call_slow(
 
 def warm_call(c: Controller, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """One warmup call (:meth:`Controller.warmup`): the slow path, checked, not counted."""
-    return call_slow(c, args, kwargs, warmup=True)
+    try:
+        return call_slow(c, args, kwargs, warmup=True)
+    finally:
+        discarded(c)  # its outputs are dropped: their backward never runs
+
+
+def discarded(c: Controller) -> None:
+    """A compiled call's outputs go unused (a warmup call, a check answered by eager).
+
+    Under CUDA graphs, a forward whose outputs carry gradients leaves a backward pending;
+    torch starts a new iteration at the next compiled call only once every pending
+    backward ran, and that one never will: the next calls would miss the CUDA graphs'
+    fast path. ``torch.compiler.cudagraph_mark_step_begin()`` starts the new iteration.
+    Only under CUDA graphs, and only with gradients on (inference starts one per call).
+    """
+    if c._cudagraphs and torch.is_grad_enabled():
+        with contextlib.suppress(Exception):  # never breaks a call
+            mark_step: Callable[[], None] = torch.compiler.cudagraph_mark_step_begin
+            mark_step()
 
 
 def _admit(

@@ -152,7 +152,8 @@ class ShadowRunner:
         sync_device(eager_out)
         eager_s = self._clock() - started
         try:
-            result = self._compare(out, eager_out)
+            compiled_out = after.compiled_value(out) if after is not None else out
+            result = self._compare(compiled_out, eager_out)
             if after is not None:
                 after = snapshot.settle(after)
                 if result.ok:

@@ -474,6 +474,17 @@ def resolve_strategy(
         return "pad"
     if dynamic is True:
         return "dynamic"
+    return "pad" if uses_cudagraphs(backend, mode, options) else "dynamic"
+
+
+def uses_cudagraphs(
+    backend: str, mode: str | None = None, options: Mapping[str, Any] | None = None
+) -> bool:
+    """Whether these compile options run CUDA graphs: the ``"cudagraphs"`` backend, or
+    inductor with a ``mode`` that turns on ``triton.cudagraphs`` (``"reduce-overhead"``,
+    ``"max-autotune"``) or that option itself."""
+    if backend in _CUDAGRAPH_BACKENDS:
+        return True
     settings: dict[str, Any] = {}
     if mode is not None and backend == "inductor":
         try:
@@ -481,7 +492,7 @@ def resolve_strategy(
         except Exception:  # pragma: no cover - an unknown mode is refused elsewhere
             settings["triton.cudagraphs"] = mode in ("reduce-overhead", "max-autotune")
     settings.update(options or {})
-    return "pad" if settings.get("triton.cudagraphs") else "dynamic"
+    return bool(settings.get("triton.cudagraphs"))
 
 
 class Bucketer:
