@@ -22,6 +22,16 @@ from safecompile.testing import FakeClock
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``cuda`` are skipped where no CUDA GPU is available."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (none available)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(autouse=True)
 def _clean_switch(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """No test leaks a kill-switch setting into the next."""

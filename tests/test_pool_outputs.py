@@ -18,7 +18,12 @@ from safecompile import Shadow, State, Warmup, safe_compile
 from safecompile.guard import controller as controller_module
 from safecompile.guard import shadow as shadow_module
 from safecompile.shapes.buckets import uses_cudagraphs
-from safecompile.testing import DriftingBackend, PoolBackend, drain_shadow_checks
+from safecompile.testing import (
+    DriftingBackend,
+    PoolBackend,
+    RecordingBackend,
+    drain_shadow_checks,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -195,3 +200,43 @@ def test_cudagraph_options_are_recognised() -> None:
     assert uses_cudagraphs("cudagraphs")
     assert not uses_cudagraphs("inductor", "default")
     assert not uses_cudagraphs("aot_eager")
+
+
+class HiddenWrites(RecordingBackend):
+    """A CUDA graph replay writes its static inputs in place without moving their
+    version counters: imitated on CPU by putting the counters back after each run."""
+
+    def run(self, inner: Any, args: tuple[Any, ...]) -> Any:
+        tensors = tuple(a for a in args if isinstance(a, torch.Tensor))
+        versions = tuple(t._version for t in tensors)
+        out = inner(*args)
+        torch._C._autograd._unsafe_set_version_counter(tensors, versions)
+        return out
+
+
+def accumulate(x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    total.add_(x)
+    return total * 2
+
+
+@pytest.mark.parametrize("cudagraphs", [True, False])
+def test_in_place_writes_a_replay_hides_are_found_by_value_under_cudagraphs(
+    monkeypatch: pytest.MonkeyPatch, cudagraphs: bool
+) -> None:
+    """Under CUDA graphs a copied input is compared by value too: the replay's write is
+    found, put back, and eager applies it once. Without cudagraph options the version
+    counters are trusted (and this imitation fools them: the write is applied twice)."""
+    monkeypatch.setattr(controller_module, "uses_cudagraphs", lambda *a, **k: cudagraphs)
+    guarded = safe_compile(accumulate, backend=HiddenWrites(), shadow=Shadow(canary=3, every=1))
+    total = torch.zeros(4)
+    x = torch.ones(4)
+    out = guarded(x, total)
+    if not cudagraphs:
+        assert guarded.safecompile.state is State.ROLLED_BACK  # what by_value prevents
+        return
+    torch.testing.assert_close(out, torch.full((4,), 2.0))
+    torch.testing.assert_close(total, torch.ones(4))
+    guarded(x, total)
+    torch.testing.assert_close(total, torch.full((4,), 2.0))
+    stats = guarded.safecompile.stats()
+    assert (stats.shadow_checks, stats.shadow_breaches) == (2, 0)

@@ -130,10 +130,19 @@ class Snapshot:
     modules: list[_ModuleState] = field(default_factory=list)
     objects: list[_Object] = field(default_factory=list)
     problem: str | None = None  # a named object that could not be found or copied
+    # CUDA graphs: a replay writes its static inputs without bumping version counters, so
+    # a copied tensor is also compared by value (see _in_place)
+    by_value: bool = False
+    _updated: list[tuple[torch.Tensor, int, torch.Tensor | None]] | None = None
 
     @classmethod
     def take(
-        cls, graph_args: tuple[Any, ...], module: torch.nn.Module | None, *, copy: bool
+        cls,
+        graph_args: tuple[Any, ...],
+        module: torch.nn.Module | None,
+        *,
+        copy: bool,
+        by_value: bool = False,
     ) -> Snapshot:
         """Before the first graph of a checked call runs: the state it may change."""
         seen: set[int] = set()
@@ -153,7 +162,7 @@ class Snapshot:
                 for buffer in sub._buffers.values():
                     add(buffer)
                 modules.append(_ModuleState(sub, dict(sub._buffers), _plain_attrs(sub)))
-        return cls(tensors, modules)
+        return cls(tensors, modules, by_value=by_value)
 
     def add_objects(self, found: list[tuple[str, Any, Keys]], lost: str | None = None) -> None:
         """Before a graph runs: copy the Python objects its frame will update (see the
@@ -230,7 +239,17 @@ class Snapshot:
         return after
 
     def _in_place(self) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
-        return [entry for entry in self.tensors if entry[0]._version != entry[1]]
+        """The tensors updated in place since the snapshot: their version counter moved,
+        or (``by_value``, for CUDA graphs' replays) their values differ from the copy.
+        Read once after the call, before anything is put back."""
+        if self._updated is None:
+            self._updated = [
+                (t, version, saved)
+                for t, version, saved in self.tensors
+                if t._version != version
+                or (self.by_value and saved is not None and not _equal(t, saved))
+            ]
+        return self._updated
 
 
 def _changed_attrs(m: _ModuleState) -> list[str]:
@@ -310,6 +329,13 @@ def _put(obj: Any, keys: Keys, target: Any, *, unless: Any = None) -> None:
             delattr(obj, k)  # a class's attribute, or a slot
         else:
             setattr(obj, k, value)
+
+
+def _equal(t: torch.Tensor, saved: torch.Tensor) -> bool:
+    try:
+        return bool(torch.equal(t, saved))
+    except Exception:  # a tensor that cannot be read back: count it as updated
+        return False
 
 
 def _cloned(contents: Any) -> Any:

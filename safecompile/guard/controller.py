@@ -434,7 +434,9 @@ class Controller:
 
     def _snapshot(self, graph_args: tuple[Any, ...], graph: GraphRecord) -> Any:
         """State before the first graph of a checked call runs (on the calling thread)."""
-        snapshot = Snapshot.take(graph_args, self._module, copy=graph.mutates)
+        snapshot = Snapshot.take(
+            graph_args, self._module, copy=graph.mutates, by_value=self._cudagraphs
+        )
         if graph.effects:
             snapshot.add_objects(*find_effects(graph))
         return snapshot
