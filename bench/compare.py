@@ -38,6 +38,7 @@ Workloads (``--workloads``, comma-separated; default all):
                                                      # FX cache at load 0.8, 5 min cold at load 9
     python bench/compare.py --workloads mlp-1,bert --rounds 15
     python bench/compare.py --quick                  # smoke run: inductor, 3 workloads
+    python bench/compare.py --device cuda --mode reduce-overhead   # on a GPU (bench/gpu.sh)
     python bench/compare.py --quick --backend aot_eager   # smoke run without inductor: 30 s
                                                           # at load 5, 2.5 min at load 9
 """
@@ -60,6 +61,7 @@ import torch
 from _models import MLP, Block  # bench/ is on sys.path when a bench runs as a script
 from overhead import own_code
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from safecompile import safe_compile
 
@@ -146,20 +148,34 @@ class Variant:
     times: list[float] = field(default_factory=list)
 
 
-def serve(fn: Callable[..., Any], traffic: list[Call]) -> float:
-    """One round: every call of the traffic, timed as a whole."""
+def serve(fn: Callable[..., Any], traffic: list[Call], cuda: bool = False) -> float:
+    """One round: every call of the traffic, timed as a whole (on CUDA, until the GPU
+    has done the work, not only launched it)."""
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     for args, kwargs in traffic:
         fn(*args, **kwargs)
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - start
 
 
-def interleaved(variants: list[Variant], traffic: list[Call], rounds: int) -> None:
+def interleaved(
+    variants: list[Variant], traffic: list[Call], rounds: int, cuda: bool = False
+) -> None:
     """``rounds`` rounds, the variants in a rotating order; each round's time kept."""
     for r in range(rounds):
         k = r % len(variants)
         for v in variants[k:] + variants[:k]:
-            v.times.append(serve(v.fn, traffic))
+            v.times.append(serve(v.fn, traffic, cuda))
+
+
+def on_device(traffic: list[Call], device: str) -> list[Call]:
+    """The traffic's tensors moved to ``device`` (once, before any timing)."""
+    if device == "cpu":
+        return traffic
+    return [pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), call) for call in traffic]
 
 
 def paired_ratio(best: Variant, v: Variant) -> tuple[float, float, float]:
@@ -188,19 +204,21 @@ def graphs_served(guarded: Any) -> str:
 
 def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     workload = WORKLOADS[name]()
-    traffic = workload.traffic(args.quick)
-    model = workload.model()
+    traffic = on_device(workload.traffic(args.quick), args.device)
+    model = workload.model().to(args.device)
     tag = name.replace("-", "_")
-    compiled = torch.compile(own_code(model, f"{tag}_compile"), backend=args.backend)
-    guarded = safe_compile(own_code(model, f"{tag}_safe"), backend=args.backend, name=name)
+    mode = {"mode": args.mode} if args.mode else {}
+    compiled = torch.compile(own_code(model, f"{tag}_compile"), backend=args.backend, **mode)
+    guarded = safe_compile(own_code(model, f"{tag}_safe"), backend=args.backend, name=name, **mode)
     variants = [Variant(EAGER, model), Variant(COMPILE, compiled), Variant(SAFE, guarded)]
     started = time.perf_counter()
+    cuda = args.device.startswith("cuda")
     with torch.no_grad():
-        interleaved(variants, traffic, args.warmup)
+        interleaved(variants, traffic, args.warmup, cuda)
         before = guarded.safecompile.stats()
         for v in variants:
             v.times.clear()
-        interleaved(variants, traffic, args.rounds)
+        interleaved(variants, traffic, args.rounds, cuda)
     after = guarded.safecompile.stats()
     eager_v, compile_v, _ = variants
     best = min((eager_v, compile_v), key=lambda v: statistics.median(v.times))
@@ -242,6 +260,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None, help="measured rounds (default 21)")
     parser.add_argument("--warmup", type=int, default=None, help="rounds first (default 10)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--mode", default=None, help="torch.compile's mode, for both")
     parser.add_argument(
         "--quick", action="store_true", help=f"smoke run: {QUICK}, 3 rounds, small traffic"
     )
@@ -259,7 +279,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     print(
-        f"torch {torch.__version__}, backend={args.backend}, threads={torch.get_num_threads()}, "
+        f"torch {torch.__version__}, backend={args.backend}, mode={args.mode}, "
+        f"device={args.device}, threads={torch.get_num_threads()}, "
         f"{args.warmup} warmup + {args.rounds} measured rounds, variants interleaved; "
         f"load average {os.getloadavg()[0]:.2f} at start",
         flush=True,
