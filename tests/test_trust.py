@@ -764,3 +764,33 @@ def test_a_replica_compiling_with_inductor_never_unpickles_an_attackers_entry(
     assert second["close"]
     assert second["state"] == "compiled"
     assert second["fx_hits"] == second["aot_hits"] == 0
+
+
+def test_a_cache_directory_that_hangs_is_not_waited_for(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A cache directory on a hung mount (simulated: creating the probe file never
+    returns): the check gives up after its timeout and the directory is not used."""
+    import tempfile
+
+    from safecompile.persist import cache
+
+    root = tmp_path / "hung"
+    release = threading.Event()
+    real_mkstemp = tempfile.mkstemp
+
+    def mkstemp(*args: Any, **kwargs: Any) -> Any:
+        if str(kwargs.get("dir", "")).startswith(str(root)):
+            release.wait(HANG_S)
+        return real_mkstemp(*args, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", mkstemp)
+    monkeypatch.setattr(cache, "DIR_CHECK_TIMEOUT_S", 0.3, raising=False)
+    monkeypatch.setenv(CACHE_ENV_VAR, str(root))
+    try:
+        with capture_logs() as logs:
+            assert returns_within(cache.usable_root, HANG_S / 2) is None
+        (warning,) = events(logs, "cache_untrusted")
+        assert "does not answer" in warning["reason"]
+    finally:
+        release.set()

@@ -15,9 +15,13 @@ import errno
 import os
 import stat
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
-__all__ = ["READ_TIMEOUT_S", "ReadTimeoutError", "read_file"]
+__all__ = ["READ_TIMEOUT_S", "ReadTimeoutError", "bounded", "read_file"]
+
+T = TypeVar("T")
 
 READ_TIMEOUT_S = 1.0  # a local file answers in microseconds; a hung mount never does
 
@@ -36,16 +40,23 @@ def read_file(path: Path, *, limit: int, timeout: float = READ_TIMEOUT_S) -> byt
     :class:`OSError` when it cannot be read or is not a regular file,
     :class:`ReadTimeoutError` when the read takes longer than ``timeout`` seconds."""
     name = str(path)
+    return bounded(lambda: _read(name, limit), name, timeout, doing="reading")
+
+
+def bounded(work: Callable[[], T], name: str, timeout: float, *, doing: str = "using") -> T:
+    """``work()`` on a daemon thread, waited for at most ``timeout`` seconds (then
+    :class:`ReadTimeoutError`; while it is still stuck, another call for the same ``name``
+    fails at once). Its exception, if any, is raised here."""
     with _lock:
         if name in _stuck:
-            raise ReadTimeoutError(f"an earlier read of {name} has not returned")
+            raise ReadTimeoutError(f"an earlier attempt at {doing} {name} has not returned")
         _stuck.add(name)
-    box: dict[str, bytes | BaseException | None] = {}
+    box: dict[str, Any] = {}
     done = threading.Event()
 
-    def work() -> None:
+    def run() -> None:
         try:
-            box["data"] = _read(name, limit)
+            box["value"] = work()
         except BaseException as exc:
             box["error"] = exc
         finally:
@@ -53,14 +64,13 @@ def read_file(path: Path, *, limit: int, timeout: float = READ_TIMEOUT_S) -> byt
                 _stuck.discard(name)
             done.set()
 
-    threading.Thread(target=work, name="safecompile-read", daemon=True).start()
+    threading.Thread(target=run, name="safecompile-read", daemon=True).start()
     if not done.wait(timeout):
-        raise ReadTimeoutError(f"reading {name} took over {timeout:g} s")
-    error = box.get("error")
-    if isinstance(error, BaseException):
-        raise error
-    data = box.get("data")
-    return data if isinstance(data, bytes) else None
+        raise ReadTimeoutError(f"{doing} {name} took over {timeout:g} s")
+    if "error" in box:
+        raise box["error"]
+    value: T = box["value"]
+    return value
 
 
 def _read(name: str, limit: int) -> bytes | None:

@@ -45,7 +45,7 @@ import torch
 
 from safecompile._version import __version__
 
-from .bounded import read_file
+from .bounded import bounded, read_file
 from .remote import RemoteVerdicts, remote_verdicts
 from .signing import Signer, owner_problem, signer, warn_ignored, warn_once
 
@@ -69,6 +69,7 @@ SCHEMA_VERSION = 1
 _KEY_CHARS = 32  # hex digits of an artifact key (128 bits)
 MAX_JSON_DEPTH = 32  # a verdict nests 4 deep; anything far deeper is not ours
 MAX_VERDICT_BYTES = 1 << 20  # a verdict is a few hundred bytes
+DIR_CHECK_TIMEOUT_S = 2.0  # checking and probing the cache directory: a local disk takes ms
 _MAX_CODE_OBJECTS = 2000  # bound on the code walked for one fingerprint
 _ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCHDYNAMO_", "TORCH_COMPILE_", "TORCH_DYNAMO_")
 # Settings that only say where things go (or which job this is), not what is compiled:
@@ -102,7 +103,10 @@ def usable_root() -> Path | None:
     root = cache_root()
     if root is None:
         return None
-    problem = _root_problem(root)
+    try:  # bounded: a directory on a hung mount must not hang safe_compile()
+        problem = bounded(lambda: _root_problem(root), str(root), DIR_CHECK_TIMEOUT_S)
+    except OSError as exc:
+        problem = f"it does not answer: {exc}"
     if problem is None:
         return root
     warn_once(f"root:{root}", f"{CACHE_ENV_VAR}={root} is not used: {problem}")
