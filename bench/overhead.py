@@ -159,7 +159,8 @@ def run_case(
         if split:
             variants.update(split_variants(fn, guarded, x, backend))
         samples = measure(variants, calls=calls, rounds=rounds, disabled={KILLED})
-    assert killed.safecompile.state == "disabled"
+    killed_stats = killed.safecompile.stats()  # the switch is off again: state says so
+    assert killed_stats.compiled_calls == 0 < killed_stats.eager_calls, killed_stats
     stats = guarded.safecompile.stats()
     assert stats.eager_calls == 0, stats  # every guarded call took the compiled path
     return samples

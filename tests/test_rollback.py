@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from safecompile import EventKind, Reason, Rollback, State, safe_compile
+from safecompile import Buckets, EventKind, Reason, Rollback, State, safe_compile
 from safecompile.testing import (
     FailingBackend,
     FakeClock,
@@ -217,3 +217,27 @@ def test_backward_compile_failure_is_caught_on_the_forward_call() -> None:
     assert x.grad is not None
     assert g.safecompile.state == State.ROLLED_BACK
     assert g.safecompile.stats().last_rollback.reason == Reason.COMPILE_ERROR  # type: ignore[union-attr]
+
+
+def test_a_trial_served_eagerly_is_announced_once(clock: FakeClock) -> None:
+    """retry_after=0 and oversize inputs (they run eager): each is a trial that learns
+    nothing; the retry event is said once, and the first servable call recovers."""
+    g = safe_compile(
+        affine,
+        backend=RuntimeFailingBackend(on_run=1, once=True),
+        buckets=Buckets(dims={"x": 0}, sizes=(4, 8)),
+        rollback=Rollback(retry_after=0),
+        shadow=None,
+        clock=clock,
+    )
+    small, big = torch.randn(3), torch.randn(16)
+    torch.testing.assert_close(g(small), affine(small))  # the compiled run raises: trip
+    assert g.safecompile.state == State.ROLLED_BACK
+    for _ in range(5):  # oversize: eager serves each trial, nothing learnt
+        torch.testing.assert_close(g(big), affine(big))
+    assert g.safecompile.state == State.ROLLED_BACK
+    torch.testing.assert_close(g(small), affine(small))  # served compiled: recovered
+    assert g.safecompile.state == State.COMPILED
+    kinds = [e.kind for e in g.safecompile.events()]
+    assert kinds.count(EventKind.RETRY) == 1
+    assert kinds[-1] == EventKind.RECOVERED

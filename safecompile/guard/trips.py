@@ -69,6 +69,7 @@ class Trips:
         self.ranks = ranks
         self._clock = clock
         self._hooks = hooks
+        self._retry_said = False  # the retry event of this trip is out (said once)
 
     @property
     def tripped(self) -> bool:
@@ -88,18 +89,22 @@ class Trips:
             if not self.breaker.tripped:
                 ranks.hold(event())
             return
-        if not self.breaker.trip() and reason is not Reason.MANUAL:
+        if self.breaker.trip():
+            self._retry_said = False
+        elif reason is not Reason.MANUAL:
             return
         self._hooks.counted(event())
 
     def apply(self, event: Event) -> None:
         """Trip now with this event (nothing is recorded when already tripped)."""
         if self.breaker.trip():
+            self._retry_said = False
             self._hooks.counted(event)
 
     def reset(self) -> None:
         """Forget every trip (``reset()``); the agreement itself goes on."""
         self.breaker.reset()
+        self._retry_said = False
         if self.ranks is not None:
             self.ranks.take_held()
 
@@ -124,8 +129,12 @@ class Trips:
             self._recovered("compiled path serves again", {})
 
     def _retrying(self, message: str, details: dict[str, Any]) -> None:
-        """A trial starts: it measures the compiled path it tries."""
+        """A trial starts: it measures the compiled path it tries. Said once per trip: a
+        trial served eagerly (its input runs eager) leaves the next call to try, silently."""
         self._hooks.restart_speed()
+        if self._retry_said:
+            return
+        self._retry_said = True
         self._hooks.record(
             Event(kind=EventKind.RETRY, time=time.time(), message=message, details=details)
         )
