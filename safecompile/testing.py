@@ -24,8 +24,9 @@ from torch.utils import _pytree as pytree
 
 from .checks.compare import compare
 from .guard.backend import compile_function
+from .guard.graphs import Recorder
 from .guard.shadow import drain
-from .observe.source import dedupe_graph_breaks, graph_breaks_of
+from .observe.source import dedupe_graph_breaks
 
 __all__ = [
     "BlockingBackend",
@@ -262,7 +263,7 @@ class CompileCheck:
         """Assert that ``fn(*args, **kwargs)`` compiles with at most ``max_graph_breaks``
         graph breaks (see :func:`assert_compiles`)."""
         target = _unwrap(fn)
-        recorder = _Recorder(self.backend)
+        recorder = Recorder(torch._dynamo.lookup_backend(self.backend))
         compiled = compile_function(
             target, backend=recorder, dynamic=None, fullgraph=False, recompile_limit=64
         )
@@ -274,9 +275,7 @@ class CompileCheck:
             ) from exc
         # A break is seen from both sides: the graph it ends and the one resuming after it.
         # The resuming side is the only trace of a break with nothing compiled before it.
-        breaks = dedupe_graph_breaks(
-            b for gm in recorder.graphs for b in graph_breaks_of(gm, include_resumed=True)
-        )
+        breaks = dedupe_graph_breaks(b for graph in recorder.graphs for b in graph.breaks)
         if len(breaks) > max_graph_breaks:
             lines = "\n".join(
                 f"  - {b.get('file')}:{b.get('line')} in {b.get('function')}: {b.get('reason')}"
@@ -325,16 +324,6 @@ def drain_shadow_checks(timeout: float = 30.0) -> None:
     """Wait until every queued async shadow check has run (``AssertionError`` on timeout)."""
     if not drain(timeout):
         raise AssertionError(f"async shadow checks still running after {timeout} s")
-
-
-class _Recorder:
-    def __init__(self, backend: str | Callable[..., Any]) -> None:
-        self.graphs: list[torch.fx.GraphModule] = []
-        self._inner = torch._dynamo.lookup_backend(backend)
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        self.graphs.append(gm)
-        return self._inner(gm, example_inputs)
 
 
 def _unwrap(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -29,9 +29,9 @@ from safecompile.base.policies import Buckets, Rollback
 from safecompile.checks.compare import compare
 from safecompile.guard.backend import backend_name, build_compiler, validate_compile_options
 from safecompile.guard.decorator import safe_compile
-from safecompile.guard.graphs import outside_effects, random_op
+from safecompile.guard.graphs import RecordedGraph, Recorder, outside_effects
 from safecompile.observe.progress import spinner
-from safecompile.observe.source import dedupe_graph_breaks, graph_breaks_of, location_of_function
+from safecompile.observe.source import dedupe_graph_breaks, location_of_function
 
 from .formats import qualname, source_line
 from .judge import judge
@@ -60,34 +60,12 @@ _MAX_TIMED = 4  # examples timed (the first ones)
 PROGRESS_EVERY_S = 5.0
 
 
-@dataclass(frozen=True, slots=True)
-class _Graph:
-    breaks: tuple[dict[str, object], ...]
-    random_op: str | None
-    backend_s: float
-    lost: str | None = None  # an object it updates that a check cannot find to copy
+def _effects() -> tuple[Any, str | None]:
+    """:func:`~safecompile.guard.graphs.outside_effects`, looked up at each graph."""
+    return outside_effects()
 
 
-class _Recorder:
-    """The backend handed to ``safe_compile``: notes each graph, then compiles it."""
-
-    def __init__(self, compiler: Callable[..., Any], label: str) -> None:
-        self.graphs: list[_Graph] = []
-        self._compiler = compiler
-        self.__name__ = label
-
-    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        breaks = tuple(graph_breaks_of(gm, include_resumed=True))
-        random = random_op(gm)
-        _, lost = outside_effects()
-        started = time.perf_counter()
-        try:
-            return self._compiler(gm, example_inputs)
-        finally:
-            self.graphs.append(_Graph(breaks, random, time.perf_counter() - started, lost))
-
-
-def _unchecked(graphs: list[_Graph]) -> tuple[str, ...]:
+def _unchecked(graphs: list[RecordedGraph]) -> tuple[str, ...]:
     """Why safe_compile's shadow checks would skip each graph that cannot be checked."""
     out = []
     for n, g in enumerate(graphs, 1):
@@ -136,9 +114,10 @@ def diagnose(
     plan = _plan(target, settings)
     if settings.reset_dynamo:
         torch._dynamo.reset()
-    recorder = _Recorder(
+    recorder = Recorder(
         build_compiler(plan.backend, mode=plan.mode, options=plan.options, dynamic=plan.dynamic),
         backend_name(plan.backend),
+        effects=_effects,
     )
     try:
         guarded: Any = safe_compile(
@@ -380,7 +359,7 @@ class _Session:
     """One guarded callable, its eager twin, and what has gone wrong so far."""
 
     def __init__(
-        self, guarded: Any, plan: _Plan, recorder: _Recorder, say: Callable[[str], None]
+        self, guarded: Any, plan: _Plan, recorder: Recorder, say: Callable[[str], None]
     ) -> None:
         self.say = say
         self.guarded = guarded
@@ -423,8 +402,8 @@ class _Session:
         seconds = time.perf_counter() - started
         new_graphs = self.recorder.graphs[graphs_before:]
         graphs = len(new_graphs)
-        backend_s = math.fsum(g.backend_s for g in new_graphs)
-        graph_s = tuple(g.backend_s for g in new_graphs)
+        backend_s = math.fsum(g.compile_s for g in new_graphs)
+        graph_s = tuple(g.compile_s for g in new_graphs)
         events = _since(events_before, self.controller.events())
         after = self.controller.stats()
         failed = _failure_event(events)

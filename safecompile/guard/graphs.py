@@ -46,6 +46,8 @@ __all__ = [
     "GraphRecord",
     "GraphTable",
     "GuardBackend",
+    "RecordedGraph",
+    "Recorder",
     "find_effects",
     "mutates_in_place",
     "random_op",
@@ -690,3 +692,41 @@ def random_op(gm: torch.fx.GraphModule) -> str | None:
         if name and _seeded(name):
             return name
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class RecordedGraph:
+    """What a :class:`Recorder` noted about one graph."""
+
+    breaks: tuple[dict[str, object], ...]  # its graph breaks, the resumed side included
+    random_op: str | None  # an op that draws random numbers, if any
+    compile_s: float  # time in the wrapped compiler
+    lost: str | None = None  # an object it updates that a check cannot find to copy
+
+
+class Recorder:
+    """A backend for the tools (the doctor, ``assert_compiles``): notes each graph, then
+    compiles it with ``compiler``. The guard's own backend is :class:`GuardBackend`."""
+
+    def __init__(
+        self,
+        compiler: Callable[..., Any],
+        label: str = "recorder",
+        *,
+        effects: Callable[[], tuple[Any, str | None]] | None = None,
+    ) -> None:
+        self.graphs: list[RecordedGraph] = []
+        self._compiler = compiler
+        self._effects = effects or outside_effects  # what the frame updates (see there)
+        self.__name__ = label
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        breaks = tuple(graph_breaks_of(gm, include_resumed=True))
+        random = random_op(gm)
+        _, lost = self._effects()
+        started = time.perf_counter()
+        try:
+            return self._compiler(gm, example_inputs)
+        finally:
+            elapsed = time.perf_counter() - started
+            self.graphs.append(RecordedGraph(breaks, random, elapsed, lost))
