@@ -160,6 +160,20 @@ def test_a_compile_error_trips_its_rank_at_once_and_the_others_at_the_safe_point
     assert all(all(seen["compile_error"]["equal"]) for seen in agree.values())
 
 
+def test_a_slower_verdict_on_one_rank_is_agreed(agree: Results) -> None:
+    """Rank 1's speed verdict finds compiled slower: held, and every rank rolls back at
+    the same safe point (rank 1 with reason slower, the others peer)."""
+    first = {rank: _first_rolled_back(seen["slower"]["states"]) for rank, seen in agree.items()}
+    assert first[1] is not None
+    assert first[1] > 0
+    assert first[1] % 64 == 0  # at a safe point, not at the verdict's call
+    assert set(first.values()) == {first[1]}
+    assert [e["reason"] for e in agree[1]["slower"]["rollbacks"]] == ["slower"]
+    for rank in (0, 2):
+        (event,) = agree[rank]["slower"]["rollbacks"]
+        assert (event["reason"], event["details"]["peer_reason"]) == ("peer", "slower")
+
+
 def test_without_a_group_a_rank_trips_alone(agree: Results) -> None:
     """``group=None``: behaviour unchanged — rank 1 trips at once, the others stay."""
     assert agree[1]["alone"]["state"] == "rolled_back"
@@ -561,6 +575,23 @@ def _agree_rank(rank: int) -> dict[str, Any]:
         "compiles": failing.compiles,
         "rollbacks": _rollbacks(compiling),
     }
+
+    # The speed verdict on rank 1 only: its compiled calls take 2 ms against eager's 1.
+    clock = FakeClock()
+    with spend_on(clock):
+        slow = safe_compile(
+            affine,
+            backend=slower_backend(clock, 0.001) if faulty else "eager",
+            group=True,
+            rollback=Rollback(sync_every=64),
+            clock=clock,
+            name="agree.slower",
+        )
+        states = []
+        for x in _inputs(512):
+            slow(x)
+            states.append(slow.safecompile.state.value)
+    out["slower"] = {"states": states, "rollbacks": _rollbacks(slow)}
 
     # No group: unchanged, a rank trips alone.
     alone = safe_compile(_m, backend=RuntimeFailingBackend() if faulty else "eager")
