@@ -4,6 +4,9 @@ without safecompile's frames and without torch's log of the failed trace."""
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import traceback
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,3 +117,35 @@ def test_a_meta_error_log_of_the_compilers_own_failure_is_handed_on(
     guarded = safe_compile(fine, backend=failing, shadow=None)
     torch.testing.assert_close(guarded(torch.ones(2)), torch.ones(2) + 1)
     assert meta_log.meta_failures() == ["failed while attempting to run meta for aten.x"]
+
+
+_RANKED = """
+import sys, traceback, datetime
+import torch, torch.distributed as dist
+from safecompile import safe_compile
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1,
+                        timeout=datetime.timedelta(seconds=60))
+def bad(x):
+    return x @ torch.ones(3, 3)
+guarded = safe_compile(bad, backend="eager", shadow=None, group=True)
+for _ in range(2):
+    try:
+        guarded(torch.ones(2, 2))
+    except RuntimeError as exc:
+        frames = traceback.extract_tb(exc.__traceback__)
+        print(sum("/safecompile/" in f.filename for f in frames), frames[-1].name)
+"""
+
+
+def test_with_a_process_group_eagers_error_carries_one_of_our_frames(tmp_path: Path) -> None:
+    """The ranks' call counter in front of the guard adds no frame to the user's error."""
+    done = subprocess.run(
+        [sys.executable, "-c", _RANKED, str(tmp_path / "init")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[:2] == ["1 bad", "1 bad"], done.stdout

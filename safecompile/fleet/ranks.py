@@ -46,6 +46,7 @@ from typing import Any
 
 from safecompile.base.errors import ConfigError
 from safecompile.base.model import Event, Reason
+from safecompile.observe.source import without_our_frames
 
 __all__ = ["Agreement", "Local", "Outcome", "check_group"]
 
@@ -169,7 +170,10 @@ class Agreement:
             index = next(calls)
             if index % every == 0 and index:
                 safe_point(index)
-            return guarded(*args, **kwargs)
+            try:
+                return guarded(*args, **kwargs)
+            except Exception as exc:  # eager's error, from the user's line: one frame of ours
+                raise without_our_frames(exc)  # noqa: B904 - the user's error, kept unchained
 
         return ranked
 
