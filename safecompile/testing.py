@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
+from .base import torchcompat
+from .base.torchcompat import pytree
 from .checks.compare import compare
 from .guard.backend import compile_function
 from .guard.graphs import Recorder
@@ -263,7 +264,7 @@ class CompileCheck:
         """Assert that ``fn(*args, **kwargs)`` compiles with at most ``max_graph_breaks``
         graph breaks (see :func:`assert_compiles`)."""
         target = _unwrap(fn)
-        recorder = Recorder(torch._dynamo.lookup_backend(self.backend))
+        recorder = Recorder(torchcompat.lookup_backend(self.backend))
         compiled = compile_function(
             target, backend=recorder, dynamic=None, fullgraph=False, recompile_limit=64
         )

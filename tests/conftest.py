@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from redis_server import RedisServer, require_redis_server
 
 import safecompile
+from safecompile.base import torchcompat
 from safecompile.testing import FakeClock
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -51,6 +52,18 @@ def _cache_key(monkeypatch: pytest.MonkeyPatch) -> None:
     """Cache entries are signed and verified under ``TEST_CACHE_KEY`` in every test."""
     monkeypatch.setenv("SAFECOMPILE_CACHE_KEY", TEST_CACHE_KEY)
     monkeypatch.delenv("SAFECOMPILE_CACHE_KEY_FILE", raising=False)
+
+
+# torch before 2.13 has no per-function recompile limit: every torch.compile of one code
+# object (a test module's shared function) counts against dynamo's global limit of 8.
+_SHARED_LIMIT = isinstance(torchcompat.per_function_limit(8), torchcompat.Missing)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo_where_limits_are_shared() -> None:
+    """There, each test starts with dynamo's caches empty, as it does in its own process."""
+    if _SHARED_LIMIT:
+        torch.compiler.reset()
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,7 @@ import torch
 
 from safecompile import EventKind, safe_compile
 from safecompile.observe import progress
-from safecompile.observe.log import LINE_LIMIT, readable_line
+from safecompile.observe.log import LINE_LIMIT, Once, readable_line
 from safecompile.observe.progress import (
     PLAIN_EVERY_S,
     SLOW_COMPILE_S,
@@ -391,3 +391,21 @@ def test_on_slow_failing_never_breaks_a_compile() -> None:
     timers[0].fire()
     end()
     assert timers[0].cancelled
+
+
+def test_once_warns_per_key_until_forgotten() -> None:
+    """A warning said once per key, across threads; forget() lets it be said again."""
+    once = Once()
+    with structlog.testing.capture_logs() as logs:
+        threads = [
+            threading.Thread(target=once.warn, args=(key, "safecompile.test"), kwargs={"key": key})
+            for key in ("a", "b", "a", "a", "b")
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(5)
+        once.forget()
+        once.warn("a", "safecompile.test", key="a")
+    assert sorted(e["key"] for e in logs) == ["a", "a", "b"]
+    assert {e["log_level"] for e in logs} == {"warning"}

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from torch.utils import _pytree as pytree
 
 from safecompile._version import __version__
 from safecompile.base.errors import ConfigError
 from safecompile.base.model import Event, EventKind, State
 from safecompile.base.policies import Buckets, Rollback
+from safecompile.base.torchcompat import pytree
 from safecompile.checks.compare import compare
 from safecompile.guard.backend import backend_name, build_compiler, validate_compile_options
 from safecompile.guard.decorator import safe_compile
@@ -113,7 +113,7 @@ def diagnose(
     say = progress or (lambda _line: None)
     plan = _plan(target, settings)
     if settings.reset_dynamo:
-        torch._dynamo.reset()
+        torch.compiler.reset()
     recorder = Recorder(
         build_compiler(plan.backend, mode=plan.mode, options=plan.options, dynamic=plan.dynamic),
         backend_name(plan.backend),
@@ -310,7 +310,7 @@ def _inherited(controller: Any, name: str) -> tuple[dict[str, Any], str]:
     if controller is not None and callable(getattr(controller, "report", None)):
         info = controller.report()
         name = str(getattr(controller, "name", name))
-        known = set(torch._dynamo.list_backends(exclude_tags=()))
+        known = set(torch.compiler.list_backends(exclude_tags=()))
         if info.get("backend") in known:
             inherited["backend"] = info["backend"]
             inherited["mode"] = info.get("mode")

@@ -129,7 +129,7 @@ class Settings:
     max_recompiles: int | None = None
     slower_ratio: float = 1.10
     compile_warn_s: float = 60.0
-    reset_dynamo: bool = True  # torch._dynamo.reset() first, as in a fresh process
+    reset_dynamo: bool = True  # torch.compiler.reset() first, as in a fresh process
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from torch.utils import _pytree as pytree
+
+from safecompile.base.torchcompat import pytree
 
 from .report import Example
 

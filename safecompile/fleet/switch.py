@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Protocol
 
 from safecompile.base import killswitch as ks
-from safecompile.observe.log import log_event
+from safecompile.observe.log import Once, log_event
 from safecompile.persist.bounded import read_file
 from safecompile.persist.remote import RedisLink, RemoteUnavailableError, parse_url, redacted
 
@@ -179,7 +179,7 @@ class Watcher:
         self._spec: str | None = None
         self._source: Source | None = None
         self._failing: str | None = None  # the outage being reported, if any
-        self._warned: set[str] = set()
+        self._invalid = Once()  # reasons said
         self.polls = 0  # reads done (for tests and reports)
 
     def poll(self) -> ks.Rule:
@@ -233,10 +233,7 @@ class Watcher:
         )
 
     def _warn_once(self, reason: str) -> None:
-        if reason in self._warned:
-            return
-        self._warned.add(reason)
-        log_event("safecompile.disable_source_invalid", level=logging.WARNING, reason=reason)
+        self._invalid.warn(reason, "safecompile.disable_source_invalid", reason=reason)
 
     def interval(self) -> float:
         """The poll interval now (``SAFECOMPILE_DISABLE_POLL``; a bad value: the default,
@@ -301,7 +298,7 @@ class Watcher:
         self.stop()
         with self._poll_lock:
             self._spec, self._source, self._failing = None, None, None
-            self._warned.clear()
+            self._invalid.forget()
         ks.set_watched(ks.NOTHING)
 
     def _run(self, stop: threading.Event, *, first: bool = False) -> None:

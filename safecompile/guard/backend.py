@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
+from safecompile.base import torchcompat
 from safecompile.base.errors import ConfigError
 from safecompile.base.options import CompilerFn, backend_name
+from safecompile.observe.log import torch_missing
 
 __all__ = [
     "backend_name",
@@ -28,7 +30,7 @@ __all__ = [
 
 
 def _known_backends() -> list[str]:
-    return sorted(torch._dynamo.list_backends(exclude_tags=()))
+    return sorted(torch.compiler.list_backends(exclude_tags=()))
 
 
 def _validate_backend(backend: object) -> str | Callable[..., Any]:
@@ -51,7 +53,7 @@ def _validate_backend(backend: object) -> str | Callable[..., Any]:
 def _validate_mode(backend: str | Callable[..., Any], mode: object) -> None:
     if mode is None:
         return
-    modes = sorted(torch._inductor.list_mode_options())
+    modes = sorted(torchcompat.mode_options())
     if not isinstance(mode, str) or mode not in modes:
         raise ConfigError(f"safe_compile(mode={mode!r}) must be None or one of: {', '.join(modes)}")
     if backend != "inductor" and mode != "default":
@@ -75,7 +77,10 @@ def _validate_options(backend: object, mode: object, options: object) -> None:
             "(torch.compile refuses both)"
         )
     if backend == "inductor":
-        known_options = set(torch._inductor.list_options())
+        known_options = torchcompat.inductor_options()
+        if isinstance(known_options, torchcompat.Missing):
+            torch_missing(known_options)
+            return
         special = {"guard_filter_fn", "use_aoti"}
         unknown = sorted(k for k in options if k not in known_options and k not in special)
         if unknown:
@@ -116,15 +121,11 @@ def build_compiler(
         opts.pop("guard_filter_fn", None)
     if mode is None and opts is None:
         mode = "default"
-    wrappers: Any = torch  # private, untyped builders that torch.compile itself uses
-    if backend == "inductor":
-        compiler: CompilerFn = wrappers._TorchCompileInductorWrapper(mode, opts, dynamic)
-    else:
-        compiler = wrappers._TorchCompileWrapper(backend, mode, opts, dynamic)
+    compiler = torchcompat.compiler_wrapper(backend, mode, opts, dynamic)
+    if isinstance(compiler, torchcompat.Missing):
+        torch_missing(compiler)
+        return torchcompat.lookup_backend(backend)
     return compiler
-
-
-_COMPILE_PARAMS = frozenset(inspect.signature(torch.compile).parameters)
 
 
 def compile_function(
@@ -139,10 +140,11 @@ def compile_function(
     """``torch.compile`` with a per-function recompile limit and isolated cache entries,
     where this torch has them (2.13 does; older releases fall back to the global limit)."""
     extra: dict[str, Any] = {}
-    if "recompile_limit" in _COMPILE_PARAMS:
-        extra["recompile_limit"] = recompile_limit
-    if "isolate_recompiles" in _COMPILE_PARAMS:
-        extra["isolate_recompiles"] = True
+    limits = torchcompat.per_function_limit(recompile_limit)
+    if isinstance(limits, torchcompat.Missing):
+        torch_missing(limits)
+    else:
+        extra.update(limits)
     if options:
         extra["options"] = options
     compile_: Any = torch.compile

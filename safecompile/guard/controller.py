@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from safecompile.base import killswitch as ks
+from safecompile.base import torchcompat
 from safecompile.base.model import Event, EventKind, Reason, State, Stats
 from safecompile.base.options import CompilerFn, Options
 from safecompile.base.policies import FOREVER
@@ -29,6 +30,7 @@ from safecompile.checks.snapshot import Snapshot
 from safecompile.checks.speed import CallSpeed, Decision, SpeedPolicy, Step
 from safecompile.fleet.ranks import Agreement
 from safecompile.observe.explain import Explanation, explain
+from safecompile.observe.log import torch_missing
 from safecompile.observe.progress import Compiling, watch_compile
 from safecompile.observe.source import (
     SourceLocation,
@@ -343,7 +345,9 @@ class Controller:
             self._table = GraphTable(self._shadow_policy)
             self._speed = CallSpeed(self._speed_policy) if self._speed_policy is not None else None
             for code in self._backend.restart(self._hooks()):  # ours, resume functions too
-                torch._dynamo.reset_code(code)  # type: ignore[attr-defined]
+                dropped = torchcompat.reset_code(code)
+                if dropped is not None:
+                    torch_missing(dropped)
             time_tracing()
             self._trips.reset()
             self._compiles.reset()

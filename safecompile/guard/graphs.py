@@ -12,6 +12,7 @@ dynamic graph costs nothing.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import re
@@ -25,16 +26,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch._dynamo.side_effects import (  # type: ignore[attr-defined]
-    AttributeMutationNew,
-    ValueMutationNew,
-)
-from torch._dynamo.source import GlobalSource, LocalSource, TensorPropertySource
-from torch._dynamo.symbolic_convert import InstructionTranslator
-from torch._dynamo.variables.nn_module import NNModuleVariable, UnspecializedNNModuleVariable
 
+from safecompile.base import torchcompat
 from safecompile.base.options import CompilerFn
 from safecompile.base.policies import FOREVER, Shadow
+from safecompile.observe.log import torch_missing
 from safecompile.observe.source import graph_breaks_of
 
 from .slots import Slot
@@ -277,7 +273,7 @@ class GuardBackend:
             if compiled:
                 # Compile the backward graph now, not lazily at .backward(): a failure
                 # then surfaces here, on the guarded call, where eager can answer it.
-                with torch._functorch.config.patch(force_non_lazy_backward_lowering=True):
+                with _eager_backward():
                     inner = self._compiler(gm, example_inputs)
             else:
                 inner = gm.forward  # past the recompile limit: the traced graph, eagerly
@@ -371,11 +367,20 @@ def time_tracing() -> None:
     """Have dynamo's compile callbacks time tracing too, not only the backend (again
     after ``torch._dynamo.reset()``, which clears them)."""
     try:
-        handler = torch._dynamo.callback.callback_handler
+        handler = torchcompat.compile_callbacks()
         if _on_trace_start not in handler.start_callbacks:
             handler.register_start_callback(_on_trace_start)
     except Exception:  # pragma: no cover - a torch without compile callbacks
         pass
+
+
+def _eager_backward() -> contextlib.AbstractContextManager[Any]:
+    """Where torch allows it, compile the backward graph with the forward one."""
+    lowering = torchcompat.eager_backward()
+    if isinstance(lowering, torchcompat.Missing):
+        torch_missing(lowering)
+        return contextlib.nullcontext()
+    return lowering
 
 
 _MODULE_STATE = ("_buffers", "_parameters", "_modules")
@@ -391,38 +396,49 @@ def outside_effects() -> tuple[tuple[Effect, ...], str | None]:
     those back itself: :mod:`safecompile.checks.snapshot`), and the frame's own
     ``*args`` / ``**kwargs`` containers (new on every call)."""
     try:
-        tx = InstructionTranslator.current_tx()
-        code = tx.f_code
+        dynamo = torchcompat.side_effects()
+        if isinstance(dynamo, torchcompat.Missing):
+            torch_missing(dynamo)
+            return (), "dynamo's side-effect record (not readable in this torch)"
+        if dynamo is None:
+            return (), None
+        code = dynamo.code
         packed = set(code.co_varnames[code.co_argcount + code.co_kwonlyargcount :][:2])
         found: list[Effect] = []
-        side_effects = tx.output.side_effects
-        for var in side_effects._get_modified_vars():
-            if isinstance(var.mutation_type, AttributeMutationNew | ValueMutationNew):
-                continue
-            if isinstance(var, NNModuleVariable | UnspecializedNNModuleVariable):
-                continue
-            source: Any = var.source
-            if source is None:
-                return tuple(found), type(var).__name__
-            base = source
-            while getattr(base, "base", None) is not None:
-                base = base.base
-            if source is base and isinstance(base, LocalSource) and base.local_name in packed:
-                continue  # the frame's own *args / **kwargs container
-            name = _source_name(source)
-            if any(part in name for part in _MODULE_STATE):
-                continue
-            if not isinstance(base, LocalSource | GlobalSource):
-                return tuple(found), name
-            stores = side_effects.store_attr_mutations.get(var)
-            keys = tuple(str(k) for k in stores) if stores else None
-            if type(var).__name__ == "NewGlobalVariable":  # `global x; x = ...`
-                found.append(Effect(name, None, keys))
-            else:
-                found.append(Effect(name, source, keys))
+        for var in dynamo.modified:
+            effect = _effect_of(var, dynamo, packed)
+            if isinstance(effect, str):
+                return tuple(found), effect
+            if effect is not None:
+                found.append(effect)
     except Exception:
         return (), None
     return tuple(found), None
+
+
+def _effect_of(var: Any, dynamo: torchcompat.SideEffects, packed: set[str]) -> Effect | str | None:
+    """One of dynamo's modified variables as an :class:`Effect`; ``None`` when it is left
+    out (see :func:`outside_effects`); its name when it cannot be found again."""
+    if isinstance(var.mutation_type, dynamo.new_objects) or isinstance(var, dynamo.modules):
+        return None
+    source: Any = var.source
+    if source is None:
+        return str(type(var).__name__)
+    base: Any = source
+    while getattr(base, "base", None) is not None:
+        base = base.base
+    local = isinstance(base, dynamo.local_source)
+    if source is base and local and getattr(base, "local_name", None) in packed:
+        return None  # the frame's own *args / **kwargs container
+    name = _source_name(source)
+    if any(part in name for part in _MODULE_STATE):
+        return None
+    if not (local or isinstance(base, dynamo.global_source)):
+        return name
+    stores = dynamo.stored_attributes.get(var)
+    keys = tuple(str(k) for k in stores) if stores else None
+    new_global = type(var).__name__ == torchcompat.NEW_GLOBAL  # `global x; x = ...`
+    return Effect(name, None if new_global else source, keys)
 
 
 def _source_name(source: Any) -> str:
@@ -435,11 +451,8 @@ _FRAME_DEPTH = 32  # how far up from a graph's wrapper its frame may be
 
 def _frame_key() -> tuple[str, str, int] | None:
     """The code object dynamo is compiling, as its running frame will show it."""
-    try:
-        code = InstructionTranslator.current_tx().f_code
-        return (code.co_name, code.co_filename, code.co_firstlineno)
-    except Exception:
-        return None
+    code = torchcompat.frame_code()
+    return None if code is None else (code.co_name, code.co_filename, code.co_firstlineno)
 
 
 def find_effects(
@@ -470,7 +483,10 @@ def find_effects(
             if effect.source is None:
                 found.append((effect.name, frame.f_globals, effect.keys))
             else:
-                value = effect.source.get_value(names, dict(scope), cache)
+                value = torchcompat.source_value(effect.source, names, dict(scope), cache)
+                if isinstance(value, torchcompat.Missing):
+                    torch_missing(value)
+                    return found, effect.name
                 found.append((effect.name, value, effect.keys))
         except Exception:
             return found, effect.name
@@ -484,22 +500,13 @@ def _closure_names() -> dict[str, Any]:
     """The helpers dynamo's source names may call (``___odict_getitem``...)."""
     global _CLOSURE_NAMES
     if _CLOSURE_NAMES is None:
-        try:
-            from torch._dynamo.guards import _get_closure_vars  # noqa: PLC0415
-
-            _CLOSURE_NAMES = dict(_get_closure_vars())
-        except Exception:  # pragma: no cover - another torch
-            _CLOSURE_NAMES = {}
+        _CLOSURE_NAMES = torchcompat.closure_vars()
     return _CLOSURE_NAMES
 
 
 def _frame_code() -> types.CodeType | None:
     """The code object dynamo is compiling (the function, or a resume function)."""
-    try:
-        code: types.CodeType = InstructionTranslator.current_tx().f_code
-    except Exception:
-        return None
-    return code
+    return torchcompat.frame_code()
 
 
 def _code_name(code: types.CodeType | None) -> str:
@@ -592,7 +599,7 @@ def describe_inputs(gm: torch.fx.GraphModule) -> str:
         if isinstance(value, torch.Tensor):
             shape = "x".join(dims(d) for d in value.shape) or "scalar"
             parts.append(f"{shape}:{str(value.dtype).removeprefix('torch.')}")
-        elif isinstance(getattr(node.meta.get("grapharg"), "source", None), TensorPropertySource):
+        elif torchcompat.is_tensor_property(getattr(node.meta.get("grapharg"), "source", None)):
             continue  # a size dynamo lifted out of a tensor: not an argument of the user's
         elif isinstance(value, torch.SymInt | int | float | bool):
             parts.append("int" if isinstance(value, torch.SymInt) else type(value).__name__)
@@ -643,8 +650,8 @@ def _seeded(name: str) -> bool:
 def _target_name(target: object) -> str:
     if isinstance(target, str):
         return target
-    if isinstance(target, torch._ops.OpOverload):
-        return str(target._opname)
+    if torchcompat.is_op_overload(target):
+        return str(getattr(target, "_opname", ""))
     return str(getattr(target, "__name__", "")).removeprefix("_")
 
 

@@ -30,13 +30,15 @@ from collections.abc import Callable, Hashable
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
 
 from safecompile.base import killswitch as ks
+from safecompile.base import torchcompat
 from safecompile.base.model import Event, EventKind, Reason
+from safecompile.base.torchcompat import pytree
 from safecompile.checks.compare import compare
 from safecompile.checks.snapshot import Snapshot
 from safecompile.checks.speed import Step
+from safecompile.observe.log import torch_missing
 from safecompile.observe.source import safe_message, truncate, without_our_frames
 from safecompile.shapes.buckets import BucketError, Plan
 from safecompile.shapes.table import BucketEntry, BucketStatus, unmark
@@ -48,10 +50,7 @@ from .shadow import sync_device
 __all__ = ["call_slow", "entrypoint", "finish", "recover", "warm_call"]
 
 # Exceptions raised while dynamo traces or a backend compiles (not by compiled code).
-_COMPILE_ERRORS: tuple[type[BaseException], ...] = (
-    torch._dynamo.exc.TorchDynamoException,
-    torch._dynamo.exc.FailOnRecompileLimitHit,
-)
+_COMPILE_ERRORS: tuple[type[BaseException], ...] = torchcompat.compile_errors()
 
 
 _NONE: Any = None  # typed Any: the call below changes what the slot holds
@@ -64,7 +63,7 @@ class _MetaLogHold(logging.Filter):
     eager's error says it all) and hands it on otherwise. Outside guarded calls it
     passes untouched. Only a record this logger emits pays for the stack walk."""
 
-    LOGGER = "torch._subclasses.fake_tensor"
+    LOGGER = torchcompat.FAKE_TENSOR_LOGGER
 
     def __init__(self) -> None:
         super().__init__()
@@ -856,8 +855,8 @@ def lower_priority(nice: int) -> bool:
 
 def _close_symbolic_trace_window() -> None:
     try:
-        from torch._inductor.loop_body import InterpreterShim  # noqa: PLC0415 - inductor only
-
-        InterpreterShim._dummy_gm()
+        closed = torchcompat.close_symbolic_trace_window()
     except Exception:  # pragma: no cover - another torch: nothing to close
-        pass
+        return
+    if closed is not None:
+        torch_missing(closed)

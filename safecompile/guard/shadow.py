@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
-from torch.utils import _pytree as pytree
 
 from safecompile.base.model import Event, EventKind
 from safecompile.base.policies import Shadow
+from safecompile.base.torchcompat import pytree
 from safecompile.checks.compare import Comparison, compare
 from safecompile.checks.timing import LatencyWindow
 

@@ -15,19 +15,26 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Mapping
+import weakref
+from collections.abc import Hashable, Mapping
 from typing import Any
 
 import structlog
+import torch
 from opentelemetry import trace
+
+from safecompile.base.torchcompat import Missing
 
 __all__ = [
     "LINE_LIMIT",
     "LOGGER_NAME",
+    "Once",
     "current_trace_ids",
     "log_event",
     "readable_line",
     "report_internal_error",
+    "torch_missing",
+    "torch_missing_said",
 ]
 
 LOGGER_NAME = "safecompile"
@@ -45,8 +52,51 @@ _RESERVED = frozenset(
     | {"message", "asctime", "event", "exc_info", "stack_info", "stacklevel"}
 )
 
-_lock = threading.Lock()
-_reported: set[tuple[str, str]] = set()
+
+class Once:
+    """Keys seen before: the first :meth:`first` of a key is true, every later one false.
+
+    Thread-safe; the lock is held for the set operation only, never while logging.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: set[Hashable] = set()
+        _every_once.add(self)
+
+    def first(self, key: Hashable) -> bool:
+        """Whether ``key`` is new (it is remembered from now on)."""
+        with self._lock:
+            if key in self._seen:
+                return False
+            self._seen.add(key)
+            return True
+
+    def warn(self, key: Hashable, event: str, /, **fields: Any) -> None:
+        """Log ``event`` at WARNING the first time ``key`` is seen; never raises."""
+        if self.first(key):
+            log_event(event, level=logging.WARNING, **fields)
+
+    def forget(self) -> None:
+        """Let every key be new again (for resets and tests)."""
+        with self._lock:
+            self._seen.clear()
+
+
+_every_once: weakref.WeakSet[Once] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for once in list(_every_once):  # a lock another thread held at the fork stays held
+        once._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+_reported = Once()  # report_internal_error's (place, exception type) pairs
+#: The torch names :func:`torch_missing` has reported.
+torch_missing_said = Once()
 
 
 def current_trace_ids(span: trace.Span | None = None) -> dict[str, str]:
@@ -143,12 +193,9 @@ def report_internal_error(where: str, exc: BaseException) -> None:
 
     Goes to the stdlib logger only (no structlog: it may be what failed); never raises.
     """
-    key = (where, type(exc).__qualname__)
     try:
-        with _lock:
-            if key in _reported:
-                return
-            _reported.add(key)
+        if not _reported.first((where, type(exc).__qualname__)):
+            return
         _stdlib_logger.warning(
             "safecompile telemetry failed in %s (reported once; calls are unaffected)",
             where,
@@ -156,3 +203,16 @@ def report_internal_error(where: str, exc: BaseException) -> None:
         )
     except Exception:  # nothing left to report to
         pass
+
+
+def torch_missing(missing: Missing) -> None:
+    """Say once per name that the installed torch lacks a private name safecompile uses,
+    and what goes without it (see :mod:`safecompile.base.torchcompat`)."""
+    torch_missing_said.warn(
+        missing.name,
+        "safecompile.torch_feature_missing",
+        torch_name=missing.name,
+        effect=missing.effect,
+        torch=torch.__version__,
+        description=f"no {missing.name} in this torch: {missing.effect}",
+    )

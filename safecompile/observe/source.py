@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from safecompile.base import torchcompat
+
 __all__ = [
     "SourceLocation",
     "dedupe_graph_breaks",
@@ -388,7 +390,7 @@ def _backend_node_location(inner: BaseException) -> SourceLocation | None:
 
 @functools.cache
 def _dynamo_dir() -> str:
-    return os.path.join(os.path.dirname(torch.__file__), "_dynamo") + os.sep
+    return torchcompat.dynamo_dir() + os.sep
 
 
 def _runtime_order(exc: BaseException) -> list[BaseException]:

@@ -44,10 +44,11 @@ from typing import Any
 import torch
 
 from safecompile._version import __version__
+from safecompile.base import torchcompat
 
 from .bounded import bounded, read_file
 from .remote import RemoteVerdicts, remote_verdicts
-from .signing import Signer, owner_problem, signer, warn_ignored, warn_once
+from .signing import Signer, owner_problem, signer, warn_once
 
 __all__ = [
     "CACHE_ENV_VAR",
@@ -691,16 +692,6 @@ def _write_atomic(path: Path, data: bytes) -> bool:
 
 def _ignored(path: Path | str, reason: str) -> None:
     """Warn once per file and reason; never raises."""
-    warn_ignored(path, reason)
-
-
-def _after_fork_in_child() -> None:
-    global _lock  # a lock another thread held at the fork stays held for good
-    _lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # ---------------------------------------------------------------- torch's caches
@@ -733,22 +724,16 @@ def use_torch_caches(root: Path | str) -> Path:
             # derived from the old dir by a compile that already ran: follow the move
             moved = target / Path(triton).absolute().relative_to(current)
             os.environ["TRITON_CACHE_DIR"] = str(moved)
-        codecache = sys.modules.get("torch._inductor.codecache")
-        if codecache is not None and current != target:
-            local = getattr(getattr(codecache, "CacheBase", None), "get_local_cache_path", None)
-            clear = getattr(local, "cache_clear", None)
-            if callable(clear):
-                clear()
+        if current != target:
+            torchcompat.drop_local_cache_path()
     return target
 
 
 def _is_torch_default(directory: str) -> bool:
     """Whether ``directory`` is torch's default cache dir (which torch itself writes into
     ``TORCHINDUCTOR_CACHE_DIR`` at its first cache access)."""
-    utils = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
-    if utils is not None:
-        default = utils.default_cache_dir()
-    else:  # the same rule, without importing torch._inductor (~1.5 s)
+    default = torchcompat.default_cache_dir()
+    if default is None:  # the same rule, without importing torch._inductor (~1.5 s)
         try:
             user = getpass.getuser()
         except (KeyError, ModuleNotFoundError, OSError):
@@ -766,12 +751,7 @@ def torch_cache_settings() -> dict[str, object]:
     overrides in torch 2.13, so a worker thread sees the defaults (caches on) even where
     the main thread switched them off.
     """
-    from torch._functorch import config as functorch_config  # noqa: PLC0415 (heavy import)
-    from torch._inductor import config as inductor_config  # noqa: PLC0415
-
-    return {
-        "cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
-        "fx_graph_cache": bool(inductor_config.fx_graph_cache),
-        "autograd_cache": bool(functorch_config.enable_autograd_cache),
-        "force_disable_caches": bool(inductor_config.force_disable_caches),
+    settings = torchcompat.config_settings()
+    return {"cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")} | {
+        k: bool(v) for k, v in settings.items()
     }

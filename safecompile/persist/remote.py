@@ -30,11 +30,12 @@ import threading
 import time
 import urllib.parse
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, TypeVar
 
+from safecompile.base import torchcompat
 from safecompile.base.options import Clock
-from safecompile.observe.log import log_event
+from safecompile.observe.log import Once, log_event, torch_missing
 
 from .signing import KEY_ENV_VAR, KEY_FILE_ENV_VAR, Signer, signer, warn_ignored
 
@@ -60,20 +61,8 @@ VERDICT_PREFIX = "safecompile:v1:verdicts:"
 BLOB_PREFIX = "safecompile:v1:blobs:"
 _SCHEMES = ("redis", "rediss", "unix")
 
-# torch's flags that switch a remote cache on: (environment variable, config module, name).
-# Not bundled_autotune_remote_cache: in torch 2.13 it fails every compile of a graph without
-# Triton kernels (an AssertionError on the missing "backend_hash", e.g. any CPU graph), which
-# would trip callables and persist compile failures fleet-wide. Set it yourself on GPU-only
-# fleets (TORCHINDUCTOR_BUNDLED_AUTOTUNE_REMOTE_CACHE=1): the transport is shared.
-TORCH_FLAGS: tuple[tuple[str, str, str], ...] = (
-    ("TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "torch._inductor.config", "fx_graph_remote_cache"),
-    (
-        "TORCHINDUCTOR_AUTOGRAD_REMOTE_CACHE",
-        "torch._functorch.config",
-        "enable_remote_autograd_cache",
-    ),
-    ("TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE", "torch._inductor.config", "autotune_remote_cache"),
-)
+# torch's flags that switch a remote cache on (see torchcompat.REMOTE_CACHE_FLAGS).
+TORCH_FLAGS = torchcompat.REMOTE_CACHE_FLAGS
 
 T = TypeVar("T")
 
@@ -346,7 +335,7 @@ class RemoteVerdicts:
 _lock = threading.Lock()
 _links: dict[tuple[str, str], RedisLink] = {}
 _active: dict[str, RemoteVerdicts] = {}
-_warned: set[str] = set()
+_unavailable = Once()  # (url, reason) pairs said
 
 
 def link_for(url: str, purpose: str) -> RedisLink:
@@ -419,14 +408,9 @@ def _first_activation(url: str) -> RemoteVerdicts | None:
 
 
 def _warn_once(url: str, reason: str) -> None:
-    token = f"{url}\0{reason}"
-    with _lock:
-        if token in _warned:
-            return
-        _warned.add(token)
-    log_event(
+    _unavailable.warn(
+        (url, reason),
         "safecompile.remote_cache_unavailable",
-        level=logging.WARNING,
         url=redacted(url),
         use="all",
         reason=reason,
@@ -446,10 +430,10 @@ def reset() -> None:
     with _lock:
         _links.clear()
         _active.clear()
-        _warned.clear()
         _suspended.clear()
         _cache_errors[0] = 0
         undo, _undo[:] = list(_undo), []
+    _unavailable.forget()
     for step in reversed(undo):
         step()
 
@@ -478,12 +462,14 @@ def use_torch_remote_caches(link: RedisLink, key: Signer) -> list[str]:
     module is already imported; torch's config assignments are thread-local) unless the
     user set it.
     """
-    from torch._inductor import remote_cache  # noqa: PLC0415 (~0.1 s, only when used)
-
-    cls = remote_cache.RedisRemoteCache
+    classes = torchcompat.remote_cache_classes()  # ~0.1 s, only when used
+    if isinstance(classes, torchcompat.Missing):
+        torch_missing(classes)
+        return []
+    cls, backend_base = classes
     before = cls.__dict__.get("backend_override_cls")
     _undo.append(lambda: setattr(cls, "backend_override_cls", before))
-    cls.backend_override_cls = _torch_backend(link, key)
+    cls.backend_override_cls = _torch_backend(link, key, backend_base)
     on: list[str] = []
     for env_name, module_name, attr in TORCH_FLAGS:
         if _set_torch_flag(env_name, module_name, attr):
@@ -497,11 +483,9 @@ def _set_torch_flag(env_name: str, module_name: str, attr: str) -> bool:
         return False  # the user said no
     os.environ[env_name] = "1"
     _undo.append(functools.partial(_restore_env, env_name, value))
-    module = sys.modules.get(module_name)
-    if module is None:
+    if module_name not in sys.modules:
         return True  # the config module reads the variable when it is imported
-    entries: Mapping[str, Any] | None = getattr(module, "_config", None)
-    entry = entries.get(attr) if entries is not None else None
+    entry = torchcompat.config_entry(module_name, attr)
     if entry is None:
         return False
     if entry.default is None:  # nobody decided; an assignment (thread-local) still wins
@@ -567,12 +551,12 @@ def cache_errors() -> int:
     return _cache_errors[0]
 
 
-def _torch_backend(link: RedisLink, signing: Signer) -> Callable[[], Any]:
-    """A ``RemoteCacheBackend[bytes]`` factory over ``link`` (torch calls it per cache),
-    sealing values with ``signing``'s key under their Redis key."""
-    from torch._inductor.remote_cache import RemoteCacheBackend  # noqa: PLC0415
+def _torch_backend(link: RedisLink, signing: Signer, base: Any) -> Callable[[], Any]:
+    """A ``RemoteCacheBackend[bytes]`` factory over ``link`` (torch calls it per cache;
+    ``base``: torch's ``RemoteCacheBackend``), sealing values with ``signing``'s key under
+    their Redis key."""
 
-    class SafecompileRedisBackend(RemoteCacheBackend[bytes]):
+    class SafecompileRedisBackend(base[bytes]):  # type: ignore[misc]
         """torch's remote-cache transport over safecompile's :class:`RedisLink`."""
 
         def _get(self, key: str) -> bytes | None:

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from safecompile.base import torchcompat
 from safecompile.observe.log import log_event
 
 from .bounded import read_file
@@ -301,9 +302,7 @@ def _torch_cache_dir() -> str | None:
 
 def _compile_lock() -> Any:
     """Dynamo's compile lock (torch's artifact list is guarded by it)."""
-    from torch._dynamo import convert_frame  # noqa: PLC0415
-
-    lock = getattr(convert_frame, "compile_lock", None)
+    lock = torchcompat.compile_lock()
     return lock if lock is not None else threading.Lock()
 
 

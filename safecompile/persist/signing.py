@@ -23,7 +23,6 @@ import dataclasses
 import hashlib
 import hmac
 import json
-import logging
 import os
 import stat
 import threading
@@ -31,7 +30,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from safecompile.observe.log import log_event
+from safecompile.observe.log import Once
 
 from .bounded import read_file
 
@@ -53,7 +52,7 @@ MAGIC = b"safecompile-hmac-v1\n"  # a sealed blob: MAGIC, 32 bytes of MAC, the d
 MAC_FIELD = "hmac"  # a signed JSON document's field holding the MAC (hex)
 
 _lock = threading.Lock()
-_warned: set[str] = set()
+_said = Once()  # warnings given: ("untrusted", token) and ("ignored", entry, reason)
 _from_file: dict[str, bytes | None] = {}  # key files already read: path -> key
 
 
@@ -164,29 +163,23 @@ def owner_problem(path: Path, info: os.stat_result, *, allow_root: bool = False)
 
 def warn_once(token: str, reason: str) -> None:
     """One ``safecompile.cache_untrusted`` warning per ``token`` and process."""
-    with _lock:
-        if token in _warned:
-            return
-        _warned.add(token)
-    log_event("safecompile.cache_untrusted", level=logging.WARNING, reason=reason)
+    _said.warn(("untrusted", token), "safecompile.cache_untrusted", reason=reason)
 
 
 def warn_ignored(path: Path | str, reason: str) -> None:
     """One ``safecompile.cache_file_ignored`` warning per entry and reason; never raises."""
-    token = f"ignored\0{path}\0{reason}"
-    with _lock:
-        if token in _warned:
-            return
-        _warned.add(token)
-    log_event(
-        "safecompile.cache_file_ignored", level=logging.WARNING, path=str(path), reason=reason
+    _said.warn(
+        ("ignored", str(path), reason),
+        "safecompile.cache_file_ignored",
+        path=str(path),
+        reason=reason,
     )
 
 
 def reset() -> None:
     """Forget warnings given and key files read (for tests)."""
+    _said.forget()
     with _lock:
-        _warned.clear()
         _from_file.clear()
 
 

@@ -26,6 +26,7 @@ from typing import Any, Literal, TypeVar
 import torch
 import torch.nn.functional as F
 
+from safecompile.base import torchcompat
 from safecompile.base.errors import ConfigError
 from safecompile.base.policies import Buckets
 
@@ -488,7 +489,7 @@ def uses_cudagraphs(
     settings: dict[str, Any] = {}
     if mode is not None and backend == "inductor":
         try:
-            settings.update(torch._inductor.list_mode_options(mode))
+            settings.update(torchcompat.mode_options(mode))
         except Exception:  # pragma: no cover - an unknown mode is refused elsewhere
             settings["triton.cudagraphs"] = mode in ("reduce-overhead", "max-autotune")
     settings.update(options or {})

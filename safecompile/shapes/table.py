@@ -21,6 +21,9 @@ from typing import Any
 
 import torch
 
+from safecompile.base import torchcompat
+from safecompile.observe.log import torch_missing
+
 from .buckets import Bucketer, CutSpec, Plan, resolve_strategy
 
 __all__ = [
@@ -157,18 +160,13 @@ class BucketTable:
             for dim, axis in slot.dims:
                 if axis in ranges:
                     low, high = ranges[axis]
-                    torch._dynamo.mark_dynamic(tensor, dim % tensor.dim(), min=low, max=high)
+                    missing = torchcompat.mark_dynamic(tensor, dim % tensor.dim(), low, high)
+                    if missing is not None:
+                        torch_missing(missing)
         return marked
 
 
-# The attributes torch._dynamo.mark_dynamic sets on a tensor (torch 2.13).
-_MARKS = (
-    "_dynamo_dynamic_indices",
-    "_dynamo_dynamic_range",
-    "_dynamo_hint_overrides",
-    "_specialize_on",
-    "_has_dynamo_dim_marking",
-)
+_MARKS = torchcompat.DYNAMIC_MARKS
 
 
 def unmark(marked: list[tuple[torch.Tensor, dict[str, Any]]]) -> None:
