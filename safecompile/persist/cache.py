@@ -48,7 +48,7 @@ from safecompile.base import torchcompat
 
 from .bounded import bounded, read_file
 from .remote import RemoteVerdicts, remote_verdicts
-from .signing import Signer, owner_problem, signer, warn_once
+from .signing import Signer, owner_problem, signer, warn_ignored, warn_once
 
 __all__ = [
     "CACHE_ENV_VAR",
@@ -692,6 +692,16 @@ def _write_atomic(path: Path, data: bytes) -> bool:
 
 def _ignored(path: Path | str, reason: str) -> None:
     """Warn once per file and reason; never raises."""
+    warn_ignored(path, reason)
+
+
+def _after_fork_in_child() -> None:
+    global _lock  # a lock another thread held at the fork stays held for good
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # ---------------------------------------------------------------- torch's caches
