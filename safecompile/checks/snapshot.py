@@ -26,7 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.utils import _pytree as pytree
+
+from safecompile.base.torchcompat import pytree
 
 __all__ = ["After", "Snapshot", "contents_of"]
 
