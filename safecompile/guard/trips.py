@@ -11,9 +11,9 @@ Everything that sends a guarded callable to eager and brings it back goes throug
   (:mod:`safecompile.fleet.ranks` carries the verdicts); an agreed recovery;
 - :meth:`Trips._retrying` and :meth:`Trips._recovered`: the one recovery routine both
   use. A trial first restarts the speed verdict, so the call that tries the compiled
-  path runs it (a graph the verdict had sent to eager would otherwise serve the trial
-  eagerly, and the trial would never end); once the compiled path serves again, the
-  canary and the speed verdict both start afresh.
+  path runs it and is measured afresh (a verdict that had found eager faster would
+  otherwise keep serving the trial eagerly, and the trial would never end); once the
+  compiled path serves again, the canary and the speed verdict both start afresh.
 
 With a process group, a drift or a compile error trips this rank at once (it serves
 eager from that call on: a drifting path is never served knowingly, and a failed
