@@ -161,9 +161,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _doctor(args)
 
 
+_LINE_LIMIT = 200
+
+
 def _usage_error(message: str) -> int:
-    """Say what is wrong in one line on stderr; return the usage exit code."""
-    print(f"safecompile doctor: error: {' '.join(message.split())}", file=sys.stderr)
+    """Say what is wrong in one line on stderr, of at most 200 characters (a longer one
+    loses its middle, keeping what went wrong and where); return the usage exit code."""
+    line = f"safecompile doctor: error: {' '.join(message.split())}"
+    if len(line) > _LINE_LIMIT:
+        tail = _LINE_LIMIT * 2 // 5
+        line = line[: _LINE_LIMIT - tail - 1] + "\u2026" + line[-tail:]
+    print(line, file=sys.stderr)
     return EXIT_USAGE
 
 

@@ -700,3 +700,24 @@ def test_text_report_lines_are_at_most_200_characters() -> None:
     flat = " ".join(text.split())
     assert "x" * 200 in text.replace("\n", "").replace(" ", "")
     assert "model.py:42 in forward" in flat
+
+
+def test_a_long_usage_error_is_one_line_of_at_most_200_characters(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A factory raising with a 2,000-character message: still one line, at most 200
+    characters, naming the error type and the user's line."""
+    factory = tmp_path / "long_factory.py"
+    factory.write_text(
+        "def factory():\n    raise ValueError('the registry said: ' + 'no ' * 700)\n",
+        encoding="utf-8",
+    )
+    code = main(["doctor", f"{factory}:factory"])
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+
+    assert code == 2
+    assert len(lines) == 1
+    assert len(lines[0]) <= 200, len(lines[0])
+    assert "factory() raised ValueError: the registry said: no no" in lines[0]
+    assert "long_factory.py:2 in factory)" in lines[0]

@@ -170,7 +170,9 @@ def _import_file(name: str) -> types.ModuleType:
     return module
 
 
-_MESSAGE_LIMIT = 300
+#: About the longest :func:`error_at` text (so a usage error is one line a person reads).
+ERROR_LIMIT = 140
+_MIN_MESSAGE = 40
 
 
 def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
@@ -188,26 +190,34 @@ def user_traceback(exc: BaseException) -> str:
 
 
 def error_at(exc: BaseException) -> str:
-    """``Type: message (at file:line in function)`` on one line: the user's deepest frame
-    (a factory that raises inside ``torch.load`` is located at its own call, not torch's)."""
+    """``Type: message (at file:line in function)`` on one line, at most about
+    :data:`ERROR_LIMIT` characters (the message is cut, never the place): the user's
+    deepest frame (a factory that raises inside ``torch.load`` is located at its own
+    call, not torch's)."""
+    place = _place(exc)
     if isinstance(exc, SystemExit):
         text = f"SystemExit({exc.code!r}) (sys.exit() while the doctor loaded it)"
     else:
+        name = type(exc).__name__
+        budget = max(_MIN_MESSAGE, ERROR_LIMIT - len(name) - len(place or ""))
         message = " ".join(str(exc).split())
-        if len(message) > _MESSAGE_LIMIT:
-            message = message[: _MESSAGE_LIMIT - 1] + "\u2026"
-        text = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
-    place: str | None = None
-    if isinstance(exc, SyntaxError) and exc.filename:
-        place = where(exc.filename, exc.lineno, None)
-    else:
-        last = None
-        tb = _user_frames(exc.__traceback__)
-        while tb is not None:
-            if is_user_file(tb.tb_frame.f_code.co_filename):
-                last = tb
-            tb = tb.tb_next
-        if last is not None:
-            code = last.tb_frame.f_code
-            place = where(code.co_filename, last.tb_lineno, code.co_name)
+        if len(message) > budget:
+            message = message[: budget - 1] + "\u2026"
+        text = f"{name}: {message}" if message else name
     return f"{text} (at {place})" if place else text
+
+
+def _place(exc: BaseException) -> str | None:
+    """``file:line in function`` of the user's deepest frame of ``exc``, if any."""
+    if isinstance(exc, SyntaxError) and exc.filename:
+        return where(exc.filename, exc.lineno, None)
+    last = None
+    tb = _user_frames(exc.__traceback__)
+    while tb is not None:
+        if is_user_file(tb.tb_frame.f_code.co_filename):
+            last = tb
+        tb = tb.tb_next
+    if last is None:
+        return None
+    code = last.tb_frame.f_code
+    return where(code.co_filename, last.tb_lineno, code.co_name)
