@@ -156,8 +156,9 @@ class PoolBackend(RecordingBackend):
     shape and dtype hold), as a replay overwrites its pool. A caller still holding an
     output of an earlier run sees it change: what the guard must never read late.
 
-    Outputs that carry gradients are returned as computed (a copy into the pool would
-    cut them off their graph).
+    Outputs that alias an input are returned as they are (CUDA graphs return those as
+    views of the input), and so are outputs that carry gradients (a copy into the pool
+    would cut them off their graph).
     """
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -167,14 +168,22 @@ class PoolBackend(RecordingBackend):
             out = gm.forward(*args)
             if not isinstance(out, list | tuple):
                 return out
-            return type(out)(_into_pool(pool, i, o) for i, o in enumerate(out))
+            inputs = {_storage(a) for a in args if isinstance(a, torch.Tensor)}
+            return type(out)(_into_pool(pool, i, o, inputs) for i, o in enumerate(out))
 
         return replay
 
 
-def _into_pool(pool: dict[int, torch.Tensor], i: int, out: Any) -> Any:
-    if not isinstance(out, torch.Tensor) or out.requires_grad:
-        return out
+def _storage(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except Exception:  # a tensor without storage (a subclass, a fake)
+        return id(t)
+
+
+def _into_pool(pool: dict[int, torch.Tensor], i: int, out: Any, inputs: set[int]) -> Any:
+    if not isinstance(out, torch.Tensor) or out.requires_grad or _storage(out) in inputs:
+        return out  # outputs that alias an input are not the pool's (as under CUDA graphs)
     static = pool.get(i)
     if static is None or static.shape != out.shape or static.dtype != out.dtype:
         static = pool[i] = torch.empty_like(out)

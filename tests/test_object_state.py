@@ -288,3 +288,22 @@ def test_the_state_flips_when_live_calls_take_the_compiled_path() -> None:
     torch.testing.assert_close(guarded(x), x * 2)
     assert backend.runs == runs + 1  # the first call after the flip ran compiled
     assert guarded.safecompile.stats().compiled_calls == 1
+
+
+def test_a_side_effect_record_that_cannot_be_read_leaves_the_graph_unchecked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """If torch's record of side effects cannot be read, nothing says what a check must
+    put back: the graph is not checked (one event), never rerun on doubled state."""
+
+    def unreadable(*args: Any) -> Any:
+        raise RuntimeError("an entry of the record torch changed")
+
+    monkeypatch.setattr(graphs_module, "_effect_of", unreadable)
+    seen: list[torch.Tensor] = []
+    guarded = safe_compile(append_to, backend="eager", shadow=Shadow(canary=2, every=1))
+    guarded(torch.randn(3), seen)
+    assert len(seen) == 1
+    assert guarded.safecompile.stats().shadow_checks == 0
+    assert guarded.safecompile.state is State.UNCHECKED
+    assert "record of side effects" in str(skipped(guarded)[0])

@@ -12,7 +12,7 @@ import torch
 import zoo
 
 from safecompile import EventKind, Shadow, State, safe_compile
-from safecompile.testing import DriftingBackend
+from safecompile.testing import DriftingBackend, PoolBackend
 
 # (batch, seq): the same shape thrice, then another (vision models ignore seq).
 SHAPES = [(2, 8), (2, 8), (2, 8), (3, 12), (3, 12)]
@@ -226,3 +226,21 @@ def test_zoo_classifier_training_with_labels_is_checked() -> None:
     )
     assert guarded.safecompile.state is State.COMPILED
     assert_clean(guarded)
+
+
+@pytest.mark.parametrize(("name", "cache"), [("gpt2", "dynamic"), ("llama", "static")])
+def test_zoo_generate_on_a_pool_backend_is_checked_without_false_drift(
+    name: str, cache: str
+) -> None:
+    """Decoding where every run writes its outputs into the same tensors, as CUDA graphs
+    do (``testing.PoolBackend``): the checks compare each call's own outputs and cache
+    updates, so none breaches, and the tokens are eager's."""
+    model = zoo.BUILDERS[name](dropout=0.0)
+    reference = copy.deepcopy(model.module)
+    guarded = guard(model, Shadow(canary=8, every=64), backend=PoolBackend())
+    options = {} if cache == "dynamic" else {"cache_implementation": "static"}
+    torch.testing.assert_close(generate(guarded, **options), generate(reference, **options))
+    stats = guarded.safecompile.stats()
+    assert stats.shadow_checks == stats.compiled_calls == NEW_TOKENS
+    assert stats.shadow_skipped == 0, messages(guarded, EventKind.SHADOW_SKIPPED)
+    assert_no_rollback(guarded)

@@ -55,6 +55,7 @@ class After:
     attrs: list[tuple[torch.nn.Module, str, Any, Any]]
     # (the object, what the compiled run left in it, what eager left in it)
     objects: list[tuple[_Object, Any, Any]] = field(default_factory=list)
+    left: set[int] = field(default_factory=set)  # ids of tensors a buffer no longer holds
 
     def compiled_value(self, value: Any) -> Any:
         """``value`` as the compiled run left it: a tensor it updated in place (put back
@@ -102,12 +103,18 @@ class After:
         ]
 
     def _moved(self) -> set[int]:
-        """Tensors updated in place by the compiled run whose place (a buffer, an object's
-        attribute) eager rebound to a new tensor: compared by their place, not in place."""
-        moved = {id(c) for _, _, c, e in self.rebound if c is not e}
-        for _, compiled, eager in self.objects:
+        """Tensors updated in place whose place (a buffer, an object's attribute) the
+        compiled run or eager rebound to another tensor: compared by their place, not in
+        place (the two runs may alias differently)."""
+        moved = {id(c) for _, _, c, e in self.rebound if c is not e} | self.left
+        for o, compiled, eager in self.objects:
             if isinstance(compiled, dict) and isinstance(eager, dict):
                 moved.update(id(v) for k, v in compiled.items() if v is not eager.get(k, ABSENT))
+                moved.update(
+                    id(v)
+                    for k, v in o.refs.items()
+                    if v is not compiled.get(k, ABSENT) or v is not eager.get(k, ABSENT)
+                )
         return moved
 
     def attrs_differ(self) -> str | None:
@@ -234,6 +241,12 @@ class Snapshot:
                 (state.module, name, before, now.get(name))
                 for name, before in state.buffers.items()
                 if (id(state.module), name) not in listed and now.get(name) is not before
+            )
+            after.left.update(
+                id(before)
+                for name, before in state.buffers.items()
+                if before is not None
+                and ((id(state.module), name) in listed or now.get(name) is not before)
             )
         after.attrs = [(m, n, c, getattr(m, n, None)) for m, n, c, _ in after.attrs]
         after.objects = [(o, c, contents_of(o.obj, o.keys)) for o, c, _ in after.objects]

@@ -411,8 +411,8 @@ def outside_effects() -> tuple[tuple[Effect, ...], str | None]:
                 return tuple(found), effect
             if effect is not None:
                 found.append(effect)
-    except Exception:
-        return (), None
+    except Exception as exc:  # not readable: a check cannot know what to put back
+        return (), f"dynamo's record of side effects ({type(exc).__name__})"
     return tuple(found), None
 
 
