@@ -271,7 +271,7 @@ class Agreement:
         dist = _dist()
         ranks = dist.get_process_group_ranks(group)
         prefix = f"safecompile/{self._channel}/{'-'.join(str(r) for r in ranks)}"
-        return dist.distributed_c10d._get_default_store(), prefix
+        return _default_store(dist), prefix
 
     def report(self) -> dict[str, Any]:
         """The agreement's state, for ``report()``."""
@@ -285,6 +285,13 @@ class Agreement:
             "held": self._held is not None,
             "ended": self.broken,
         }
+
+
+def _default_store(dist: Any) -> Any:
+    """The store ``init_process_group`` made, which every rank reaches (a private torch
+    name, ``distributed_c10d._get_default_store``: checked on torch 2.13; a torch without
+    it fails the safe point, and the rank leaves the agreement with reason ``peer``)."""
+    return dist.distributed_c10d._get_default_store()
 
 
 class _PeerLeft(Exception):
