@@ -82,6 +82,7 @@ def test_every_accessor_finds_its_name_on_the_installed_torch() -> None:
             "isolate_recompiles": True,
         }
     assert torchcompat.compile_callbacks() is not None
+    assert torchcompat.lookup("torch.distributed.distributed_c10d._get_default_store")
     assert all(torchcompat.lookup(name) is not None for name in torchcompat._SIDE_EFFECT_NAMES)
     assert torchcompat.is_op_overload(torch.ops.aten.add.Tensor)
     assert not torchcompat.is_op_overload(torch.add)

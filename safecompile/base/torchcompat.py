@@ -52,6 +52,7 @@ __all__ = [
     "config_entry",
     "config_settings",
     "default_cache_dir",
+    "default_store",
     "drop_local_cache_path",
     "dynamo_dir",
     "eager_backward",
@@ -233,6 +234,23 @@ def reset_code(code: types.CodeType) -> Missing | None:
         return Missing("torch._dynamo.reset_code", "reset() keeps torch's cached graphs")
     drop(code)
     return None
+
+
+def default_store() -> Any:
+    """The c10d store ``init_process_group`` made, which every rank of the job reaches:
+    ranks agree through it, never through the user's communicator.
+
+    checked: 2.9.1, 2.13.0 (``torch.distributed.distributed_c10d._get_default_store``,
+    the same in both). Without it, a :class:`Missing`: the ranks' safe points fail and
+    every rank leaves the agreement (reason ``peer``), eager from then on.
+    """
+    found = lookup("torch.distributed.distributed_c10d._get_default_store")
+    if found is None:
+        return Missing(
+            "torch.distributed.distributed_c10d._get_default_store",
+            "ranks cannot agree: a rank of a process group serves eager at its first safe point",
+        )
+    return found()
 
 
 #: The attributes ``torch._dynamo.mark_dynamic`` sets on a tensor.

@@ -44,8 +44,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from safecompile.base import torchcompat
 from safecompile.base.errors import ConfigError
 from safecompile.base.model import Event, Reason
+from safecompile.observe.log import torch_missing
 from safecompile.observe.source import without_our_frames
 
 __all__ = ["Agreement", "Local", "Outcome", "check_group"]
@@ -271,7 +273,11 @@ class Agreement:
         dist = _dist()
         ranks = dist.get_process_group_ranks(group)
         prefix = f"safecompile/{self._channel}/{'-'.join(str(r) for r in ranks)}"
-        return _default_store(dist), prefix
+        store = torchcompat.default_store()
+        if isinstance(store, torchcompat.Missing):
+            torch_missing(store)
+            raise RuntimeError(f"no {store.name} in this torch")
+        return store, prefix
 
     def report(self) -> dict[str, Any]:
         """The agreement's state, for ``report()``."""
@@ -285,13 +291,6 @@ class Agreement:
             "held": self._held is not None,
             "ended": self.broken,
         }
-
-
-def _default_store(dist: Any) -> Any:
-    """The store ``init_process_group`` made, which every rank reaches (a private torch
-    name, ``distributed_c10d._get_default_store``: checked on torch 2.13; a torch without
-    it fails the safe point, and the rank leaves the agreement with reason ``peer``)."""
-    return dist.distributed_c10d._get_default_store()
 
 
 class _PeerLeft(Exception):
