@@ -250,6 +250,34 @@ def test_a_slow_compile_announces_itself(fake_timers: list[FakeTimer]) -> None:
     assert logs[0]["function"] == "tests.slow"
 
 
+def test_a_long_compile_logs_progress_every_few_seconds(fake_timers: list[FakeTimer]) -> None:
+    """After the ``compiling`` event, a ``still_compiling`` log line every PLAIN_EVERY_S
+    seconds while the compile goes on (piped output is never silent for long); progress
+    is not an event, and the compile's end stops it."""
+    backend = BlockingBackend()
+    guarded = safe_compile(affine, backend=backend, shadow=None, name="tests.long")
+    with structlog.testing.capture_logs() as logs:
+        caller = threading.Thread(target=guarded, args=(torch.randn(4, 8),))
+        caller.start()
+        assert backend.started.wait(60)
+        fake_timers[0].fire()  # slow: the compiling event, and the next timer
+        assert fake_timers[1].delay == PLAIN_EVERY_S
+        fake_timers[1].fire()
+        fake_timers[2].fire()
+        assert fake_timers[3].delay == PLAIN_EVERY_S
+        backend.release()
+        caller.join(60)
+    assert all(t.cancelled for t in fake_timers)
+    fake_timers[3].fire()  # lost the race with the end: says nothing
+    still = [log for log in logs if log["event"] == "safecompile.still_compiling"]
+    assert len(still) == 2
+    assert still[0]["function"] == "tests.long"
+    assert still[0]["bucket"] == "4x8:float32"
+    assert isinstance(still[0]["duration_s"], float)
+    kinds = [e.kind for e in guarded.safecompile.events()]
+    assert kinds == [EventKind.COMPILING, EventKind.COMPILED]
+
+
 def test_a_fast_compile_says_nothing(fake_timers: list[FakeTimer]) -> None:
     """The timer of a compile that ended is cancelled; firing it late does nothing."""
     guarded = safe_compile(affine, backend="eager", shadow=None)

@@ -30,7 +30,7 @@ from safecompile.checks.snapshot import Snapshot
 from safecompile.checks.speed import CallSpeed, Decision, SpeedPolicy, Step
 from safecompile.fleet.ranks import Agreement
 from safecompile.observe.explain import Explanation, explain
-from safecompile.observe.log import torch_missing
+from safecompile.observe.log import log_event, torch_missing
 from safecompile.observe.progress import Compiling, watch_compile
 from safecompile.observe.source import (
     SourceLocation,
@@ -650,7 +650,9 @@ class Controller:
     def _announce_compile(self, graph: str, started: float) -> Callable[[], None]:
         """A compile starts (on the compiling thread): say so if it takes a while."""
         bucket = getattr(self._slots.local, "bucket", None)
-        return watch_compile(self.name, bucket or graph, started, self._compiling)
+        return watch_compile(
+            self.name, bucket or graph, started, self._compiling, on_still=self._still_compiling
+        )
 
     def _compiling(self, compiling: Compiling) -> None:
         """A compile is still running after ~2 s (on the timer's thread)."""
@@ -662,6 +664,17 @@ class Controller:
                 message=f"still compiling after {compiling.elapsed():.0f} s: {compiling.graph}",
                 **_location_kwargs(self._location),
             )
+        )
+
+    def _still_compiling(self, compiling: Compiling) -> None:
+        """A slow compile goes on (every few seconds, on the timer's thread): one log line,
+        not an event (``events()`` keeps what changed, not progress)."""
+        log_event(
+            "safecompile.still_compiling",
+            function=self.name,
+            bucket=compiling.graph,
+            duration_s=round(compiling.elapsed(), 1),
+            description=compiling.graph,
         )
 
     def _describe_error(

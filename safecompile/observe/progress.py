@@ -4,7 +4,9 @@ A compile (one graph handed to safecompile's backend) starts a timer; if it is s
 running :data:`SLOW_COMPILE_S` seconds after dynamo started tracing, the guarded callable
 records one ``compiling`` event (a log line ``safecompile.compiling``, an
 :class:`~safecompile.Event` in ``.events()``) naming the graph or bucket, and everyone
-watching through :func:`spinner` is told. The timer is cancelled when the compile ends,
+watching through :func:`spinner` is told; while it goes on, a log line
+``safecompile.still_compiling`` every :data:`PLAIN_EVERY_S` seconds (a log, not an event),
+so piped output is never silent for long. The timer is cancelled when the compile ends,
 so fast compiles say nothing (a timer, rather than a start event at debug level: the
 log stays one line per state change a person cares about).
 
@@ -100,6 +102,7 @@ def watch_compile(
     started: float,
     on_slow: Callable[[Compiling], None],
     *,
+    on_still: Callable[[Compiling], None] | None = None,
     delay: float | None = None,
     timer: TimerFactory | None = None,
 ) -> Callable[[], None]:
@@ -107,14 +110,31 @@ def watch_compile(
 
     If the compile is still running ``delay`` (default :data:`SLOW_COMPILE_S`) seconds
     after ``started`` (a ``time.perf_counter()`` reading), ``on_slow`` is called once, on
-    the timer's thread, and every :func:`spinner` is told. Ending the compile cancels
-    the timer, or tells the spinners it is done (a terminal's line is cleared before
-    ``end()`` returns). ``timer(seconds, fn)`` makes the timer (default: a daemon
-    ``threading.Timer``; tests pass one they fire by hand).
+    the timer's thread, and every :func:`spinner` is told; then ``on_still``, if given,
+    every :data:`PLAIN_EVERY_S` seconds until it ends. Ending the compile cancels the
+    timer, or tells the spinners it is done (a terminal's line is cleared before ``end()``
+    returns). ``timer(seconds, fn)`` makes the timers (default: daemon
+    ``threading.Timer``; tests pass ones they fire by hand).
     """
     wait = SLOW_COMPILE_S if delay is None else delay
+    make = timer if timer is not None else _daemon_timer
     lock = threading.Lock()
     state: dict[str, Any] = {"ended": False, "compiling": None}
+    handles: list[_Timer] = []  # the first timer, then each still_compiling one
+
+    def schedule(seconds: float, fn: Callable[[], None]) -> None:
+        handle = make(seconds, fn)
+        handles.append(handle)
+        handle.start()
+
+    def still() -> None:
+        with lock:
+            if state["ended"] or on_still is None:
+                return
+            compiling = state["compiling"]
+            schedule(PLAIN_EVERY_S, still)
+        with contextlib.suppress(Exception):  # telemetry never breaks a compile
+            on_still(compiling)
 
     def fire() -> None:
         with lock:
@@ -122,19 +142,22 @@ def watch_compile(
                 return
             compiling = Compiling(function=function, graph=graph, started=started)
             state["compiling"] = compiling
+            if on_still is not None:
+                schedule(PLAIN_EVERY_S, still)
         _watchers.tell(compiling)
         with contextlib.suppress(Exception):  # telemetry never breaks a compile
             on_slow(compiling)
 
-    make = timer if timer is not None else _daemon_timer
-    handle = make(max(wait - (time.perf_counter() - started), 0.0), fire)
-    handle.start()
+    with lock:
+        schedule(max(wait - (time.perf_counter() - started), 0.0), fire)
 
     def end() -> None:
         with lock:
             state["ended"] = True
             compiling = state["compiling"]
-        handle.cancel()
+            made = list(handles)
+        for handle in made:
+            handle.cancel()
         if compiling is not None:
             compiling.done.set()
             _watchers.finish(compiling)
