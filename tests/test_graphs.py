@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from safecompile import Warmup, safe_compile
+from safecompile import Rollback, Shadow, Warmup, safe_compile
 from safecompile.guard.graphs import mutates_in_place, random_op
 
 
@@ -117,3 +117,24 @@ def test_graph_inputs_read_without_torchs_symbol_names() -> None:
     assert texts[0] == "3x4:float32, 3x2:float32"
     assert sorted(texts[-1].split(", ")) == ["Nx2:float32", "NxM:float32", "int"]
     assert not any(re.search(r"\bs\d+|SymInt", t) for t in texts), texts
+
+
+def test_a_graphs_calls_count_every_run_across_its_checks() -> None:
+    """The wrapper counts runs down between checks: the calls a graph reports are every
+    run, checked or not, and recompile-limited graphs count too."""
+    g = safe_compile(
+        lambda x: x * 2,
+        backend="eager",
+        shadow=Shadow(canary=2, every=3),
+        rollback=Rollback(slower_ratio=None, max_recompiles=1),
+        dynamic=False,
+    )
+    for _ in range(20):
+        g(torch.randn(4))
+    for _ in range(5):
+        g(torch.randn(5))  # a second shape, past max_recompiles: its traced graph, eagerly
+    graphs = g.safecompile.report()["graphs"]
+    assert [(r["compiled"], r["calls"]) for r in graphs] == [(True, 20), (False, 5)]
+    assert graphs[0]["checks"] >= 2 + 5
+    stats = g.safecompile.stats()
+    assert (stats.compiled_calls, stats.eager_calls, stats.recompile_limit_calls) == (20, 5, 5)

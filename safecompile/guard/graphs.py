@@ -75,7 +75,8 @@ class GraphRecord:
     watched: bool = False  # compiled, with shadow checks on: its checks count
     canary_left: int = 0
     countdown: int = FOREVER  # runs left before its next check is due (0: due now)
-    calls: int = 0
+    counted_from: int = FOREVER  # the countdown when last set (runs since: the difference)
+    runs: int = 0  # runs before the countdown was last set, and runs with a check due
     checks: int = 0
     compile_s: float = 0.0
     breaks: list[dict[str, Any]] = field(default_factory=list)
@@ -84,6 +85,16 @@ class GraphRecord:
     prep: bool = False  # a later graph of its calls is due: snapshot state at this one
     effects: tuple[Effect, ...] = ()  # Python objects its frame updates (snapshotted)
     frame: tuple[str, str, int] | None = None  # its frame's code: name, file, first line
+
+    @property
+    def calls(self) -> int:
+        """How many times it ran (the wrapper counts down, and counts only due runs)."""
+        return self.runs + self.counted_from - self.countdown
+
+    def set_countdown(self, value: int) -> None:
+        """Runs left before its next check; the runs counted down so far are kept."""
+        self.runs += self.counted_from - self.countdown
+        self.countdown = self.counted_from = value
 
     def check(self) -> str:
         """Where its shadow checks stand: ``"checked"`` (its canary passed),
@@ -144,7 +155,7 @@ class GraphTable:
             canary_left=canary if unchecked is None else 0,
             unchecked=unchecked,
         )
-        record.countdown = self.countdown(record)
+        record.set_countdown(self.countdown(record))
         with self._lock:
             self._records.append(record)
             if compiled:
@@ -176,19 +187,19 @@ class GraphTable:
         if record.canary_left > 0:
             record.canary_left -= 1
         record.checks += 1
-        record.countdown = self.countdown(record)
+        record.set_countdown(self.countdown(record))
 
     def never_check(self, record: GraphRecord, why: str) -> None:
         record.unchecked = why
         record.canary_left = 0
-        record.countdown = FOREVER
+        record.set_countdown(FOREVER)
 
     def restart_canary(self) -> None:
         """After a recovery, every compiled graph is watched again from the start."""
         for record in self:
             if record.compiled and record.unchecked is None and self._shadow is not None:
                 record.canary_left = self._shadow.canary
-                record.countdown = self.countdown(record)
+                record.set_countdown(self.countdown(record))
 
     def __iter__(self) -> Iterator[GraphRecord]:
         with self._lock:
@@ -323,7 +334,11 @@ def _instrument(
             slot: CallSlot = local.slot
         except AttributeError:  # not called through the guard (torch internals): just run
             return inner(*args)
-        record.calls += 1
+        if slot.first is None and record.countdown > 0 and not slot.force and not record.prep:
+            slot.first = record  # the common case: the call's first graph, nothing due
+            slot.snapshot = None
+            record.countdown -= 1
+            return inner(*args)
         due = record.countdown <= 0 or slot.force
         if slot.first is None:
             slot.first = record
@@ -335,6 +350,7 @@ def _instrument(
         elif record.effects and slot.snapshot is not None:
             slot.snapshot.add_objects(*find_effects(record))  # a later graph's objects
         if due:
+            record.runs += 1
             if slot.due is None:
                 slot.due = [record]
             else:
@@ -344,7 +360,20 @@ def _instrument(
         return inner(*args)
 
     run.__name__ = f"safecompile_graph_{record.id}"
-    return run
+    if record.compiled:
+        return run
+
+    def limited(*args: Any) -> Any:
+        """Past the recompile limit: the call must take the slow path, which counts it
+        as eager (a due list, even empty, tells the hot path so)."""
+        out = run(*args)
+        slot: CallSlot | None = getattr(local, "slot", None)
+        if slot is not None and slot.due is None:
+            slot.due = []
+        return out
+
+    limited.__name__ = run.__name__
+    return limited
 
 
 # ---------------------------------------------------------------- compile timing
