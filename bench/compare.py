@@ -1,12 +1,13 @@
 """eager, ``torch.compile`` and ``safe_compile`` at their defaults, side by side (issue #9).
 
 For each workload, three variants serve the same traffic in one process on one thread
-(``torch.set_num_threads(1)`` unless ``--threads``), under ``torch.no_grad()``:
+(``torch.set_num_threads(1)`` unless ``--threads``), under ``torch.no_grad()`` except
+the training step:
 
 - ``eager``: the model itself;
 - ``torch.compile``: ``torch.compile(model)`` with no options, as a user writes it;
 - ``safe_compile``: ``safe_compile(model)`` with no options: whatever its defaults are
-  (shadow canary, the speed verdict that may send a graph back to eager, ...).
+  (shadow canary, the speed verdict that may roll the callable back to eager, ...).
 
 Each compiled variant is its own copy of the model with a ``forward`` of its own code
 object (dynamo caches per code object). Every variant first serves ``--warmup`` rounds
@@ -18,14 +19,18 @@ Throughput is read against the better of eager and ``torch.compile`` (the faster
 median round time): each round's time of that variant over the variant's own time in
 the same round, median over rounds (IQR in brackets). Targets: safe_compile at
 >= 0.95x of the better on every workload, and still compiled wherever ``torch.compile``
-beats eager by >= 5%. The last columns say how safe_compile ended: its state and, per
-graph, whether compiled or eager serves it, and the share of measured calls served
-eager.
+beats eager by >= 5%. The last columns say how safe_compile ended: its state and how
+many compiled graphs serve (or "all eager" after a rollback), and the share of measured
+calls served eager.
 
 Workloads (``--workloads``, comma-separated; default all):
 
 - ``mlp-1``, ``mlp-32``, ``mlp-256``: 3x Linear(512) with ReLUs (bench/_models.py) at
   batch 1, 32 and 256;
+- ``tiny6``: a function of six 8-element tensors (a few elementwise ops): per-call
+  overhead dominates;
+- ``train``: a training step of the MLP at batch 32: the guarded forward, then
+  ``.sum().backward()`` (the backward pass is the caller's, timed in the round);
 - ``block``: ``nn.TransformerEncoderLayer`` d_model 256, batch 8 x seq 128, key-padding
   mask (bench/_models.py);
 - ``variable``: a d_model 64, 4-head block fed random (batch, seq) in 1..8 x 1..64, the
@@ -79,8 +84,9 @@ class Workload:
     """A model and the traffic of one round (each call's args and kwargs)."""
 
     describe: str
-    model: Callable[[], nn.Module]
+    model: Callable[[], nn.Module | Callable[..., Any]]
     traffic: Callable[[bool], list[Call]]  # quick -> the calls of one round
+    train: bool = False  # a training step: the call, then .sum().backward(), with grad
 
 
 def repeat(call: Call, n: int, quick: bool) -> list[Call]:
@@ -115,6 +121,23 @@ def mlp(batch: int, n: int) -> Workload:
     )
 
 
+def tiny6(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    c: torch.Tensor,
+    d: torch.Tensor,
+    e: torch.Tensor,
+    f: torch.Tensor,
+) -> torch.Tensor:
+    """Six small inputs, a few elementwise ops: dynamo's per-call work dominates."""
+    return torch.relu(a * b + c * d - e / (f.abs() + 1))
+
+
+def tiny6_traffic(quick: bool) -> list[Call]:
+    gen = torch.Generator().manual_seed(0)
+    return repeat((tuple(torch.randn(8, generator=gen) for _ in range(6)), {}), 200, quick)
+
+
 def block_call() -> Call:
     mask = torch.zeros(8, 128, dtype=torch.bool)
     mask[1:, 100:] = True
@@ -125,6 +148,13 @@ WORKLOADS: dict[str, Callable[[], Workload]] = {
     "mlp-1": lambda: mlp(1, 200),
     "mlp-32": lambda: mlp(32, 50),
     "mlp-256": lambda: mlp(256, 10),
+    "tiny6": lambda: Workload("tiny function, six 8-element tensors", lambda: tiny6, tiny6_traffic),
+    "train": lambda: Workload(
+        "MLP 3x Linear(512) training step, batch 32: forward + backward",
+        lambda: MLP().train(),
+        lambda quick: repeat(((torch.randn(32, 512),), {}), 20, quick),
+        train=True,
+    ),
     "block": lambda: Workload(
         "transformer block d256, batch 8 x seq 128, key-padding mask",
         lambda: Block().eval(),
@@ -138,7 +168,7 @@ WORKLOADS: dict[str, Callable[[], Workload]] = {
     "bert": lambda: zoo_workload(zoo.bert, 20),
     "gpt2": lambda: zoo_workload(zoo.gpt2, 20),
 }
-QUICK = "mlp-1,variable,bert"
+QUICK = "mlp-1,tiny6,train"
 
 
 @dataclass
@@ -189,31 +219,42 @@ def paired_ratio(best: Variant, v: Variant) -> tuple[float, float, float]:
 
 
 def graphs_served(guarded: Any) -> str:
-    """Per graph, the arm that serves it now: ``compiled`` or ``eager``."""
+    """How many graphs serve compiled now (past the recompile limit: eager), or
+    ``all eager`` after a rollback (the speed verdict's, or another)."""
     report = guarded.safecompile.report()
     if report["state"] in ("rolled_back", "disabled"):
         return f"all eager ({report['state']})"
-    served = []
-    for g in report["graphs"]:
-        speed = g.get("speed") or {}
-        arm = speed.get("serving") or ("compiled" if g["compiled"] else "eager")
-        served.append(arm)
+    served = ["compiled" if g["compiled"] else "eager" for g in report["graphs"]]
     counts = {arm: served.count(arm) for arm in dict.fromkeys(served)}
     return ", ".join(f"{n} {arm}" for arm, n in counts.items()) or "no graph"
+
+
+def training_step(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The caller's training step around a model: forward, then the backward pass."""
+
+    def step(*args: Any, **kwargs: Any) -> None:
+        fn(*args, **kwargs).sum().backward()
+
+    return step
 
 
 def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
     workload = WORKLOADS[name]()
     traffic = on_device(workload.traffic(args.quick), args.device)
-    model = workload.model().to(args.device)
+    model = workload.model()
+    if isinstance(model, nn.Module):
+        model = model.to(args.device)
     tag = name.replace("-", "_")
     mode = {"mode": args.mode} if args.mode else {}
     compiled = torch.compile(own_code(model, f"{tag}_compile"), backend=args.backend, **mode)
     guarded = safe_compile(own_code(model, f"{tag}_safe"), backend=args.backend, name=name, **mode)
     variants = [Variant(EAGER, model), Variant(COMPILE, compiled), Variant(SAFE, guarded)]
+    if workload.train:
+        for v in variants:
+            v.fn = training_step(v.fn)
     started = time.perf_counter()
     cuda = args.device.startswith("cuda")
-    with torch.no_grad():
+    with torch.set_grad_enabled(workload.train):
         interleaved(variants, traffic, args.warmup, cuda)
         before = guarded.safecompile.stats()
         for v in variants:
