@@ -414,3 +414,31 @@ def test_truncate_and_redact() -> None:
         'stack trace (please do this). For even more developer context, set TORCH_LOGS="+dynamo"\n'
     )
     assert safe_message(boilerplate) == "backend='x' raised:\nValueError: no"
+
+
+def test_exception_chain_follows_causes_torch_wrappers_and_stops() -> None:
+    """One walk for every reader: ``__cause__`` before ``__context__``, torch's wrapped
+    error first when asked, each exception once (a cycle ends it), at most ``limit``."""
+
+    class Wrapper(Exception):
+        def __init__(self, inner: BaseException) -> None:
+            super().__init__("wrapped")
+            self.inner_exception = inner
+
+    root = ValueError("root")
+    handled = KeyError("handled")
+    cause = RuntimeError("cause")
+    cause.__cause__, cause.__context__ = root, handled
+    wrapped = TypeError("inner")
+    top = Wrapper(wrapped)
+    top.__cause__ = cause
+
+    chain = source_module.exception_chain
+    assert list(chain(cause)) == [cause, root]
+    assert list(chain(handled)) == [handled]
+    assert list(chain(top)) == [top, cause, root]
+    assert list(chain(top, inner=True)) == [top, wrapped]
+    loop_a, loop_b = ValueError("a"), ValueError("b")
+    loop_a.__context__, loop_b.__context__ = loop_b, loop_a
+    assert list(chain(loop_a)) == [loop_a, loop_b]
+    assert list(chain(top, limit=2)) == [top, cause]

@@ -39,7 +39,12 @@ from safecompile.checks.compare import compare
 from safecompile.checks.snapshot import Snapshot
 from safecompile.checks.speed import Step
 from safecompile.observe.log import torch_missing
-from safecompile.observe.source import safe_message, truncate, without_our_frames
+from safecompile.observe.source import (
+    exception_chain,
+    safe_message,
+    truncate,
+    without_our_frames,
+)
 from safecompile.shapes.buckets import BucketError, Plan
 from safecompile.shapes.table import BucketEntry, BucketStatus, unmark
 
@@ -406,14 +411,8 @@ def _bucket_fault(c: Controller, failure: Exception, entry: BucketEntry) -> bool
 
 
 def _constraint_violation(error: BaseException) -> bool:
-    seen: BaseException | None = error
-    for _ in range(8):
-        if seen is None:
-            return False
-        if "ConstraintViolation" in type(seen).__name__:
-            return True
-        seen = seen.__cause__ or getattr(seen, "inner_exception", None) or seen.__context__
-    return False
+    chain = exception_chain(error, inner=True, limit=8)
+    return any("ConstraintViolation" in type(seen).__name__ for seen in chain)
 
 
 def eager(c: Controller, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmup: bool) -> Any:

@@ -27,7 +27,7 @@ import os
 import re
 from dataclasses import dataclass
 
-from .source import SourceLocation, safe_message, truncate
+from .source import SourceLocation, exception_chain, safe_message, truncate
 
 __all__ = ["Explanation", "explain", "source_line"]
 
@@ -92,15 +92,7 @@ def _first_line(text: str) -> str:
 
 
 def _chain(error: BaseException) -> list[BaseException]:
-    out: list[BaseException] = []
-    current: BaseException | None = error
-    while current is not None and current not in out and len(out) < 8:
-        out.append(current)
-        inner = getattr(current, "inner_exception", None)
-        current = (
-            inner if isinstance(inner, BaseException) else current.__cause__ or current.__context__
-        )
-    return out
+    return list(exception_chain(error, inner=True, limit=8))
 
 
 def _headline(error: BaseException) -> str:

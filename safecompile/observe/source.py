@@ -40,6 +40,7 @@ __all__ = [
     "SourceLocation",
     "dedupe_graph_breaks",
     "error_type_name",
+    "exception_chain",
     "graph_breaks_of",
     "is_generated_file",
     "is_ours",
@@ -290,14 +291,23 @@ def safe_message(exc_or_text: BaseException | str, limit: int = MESSAGE_LIMIT) -
     return truncate(redact_tensors(text), limit)
 
 
-def _chain(exc: BaseException) -> Iterator[BaseException]:
-    """``exc``, then what caused it (``__cause__``, else ``__context__``), without cycles."""
+def exception_chain(
+    exc: BaseException, *, inner: bool = False, limit: int = _MAX_CHAIN
+) -> Iterator[BaseException]:
+    """``exc``, then what it came from: with ``inner``, the error torch wrapped
+    (``BackendCompilerFailed.inner_exception``) first; else what caused it (``__cause__``),
+    else what it was raised while handling (``__context__``). Each exception once, at most
+    ``limit`` of them."""
     seen: set[int] = set()
     current: BaseException | None = exc
-    while current is not None and id(current) not in seen and len(seen) < _MAX_CHAIN:
+    while current is not None and id(current) not in seen and len(seen) < limit:
         seen.add(id(current))
         yield current
-        current = current.__cause__ or current.__context__
+        wrapped = getattr(current, "inner_exception", None) if inner else None
+        if isinstance(wrapped, BaseException):
+            current = wrapped
+        else:
+            current = current.__cause__ or current.__context__
 
 
 def _from_summary(frame: traceback.FrameSummary) -> SourceLocation:
@@ -370,7 +380,7 @@ def _frame_location(frame: types.FrameType, lineno: int) -> SourceLocation:
 
 def _backend_node_location(inner: BaseException) -> SourceLocation | None:
     """Where the FX node a backend failed on came from, when torch lets us know."""
-    for exc in _chain(inner):
+    for exc in exception_chain(inner):
         # fx.Interpreter ("Original traceback:") and inductor lowering ("Found from :")
         # put the failing node's stack_trace in the message.
         found = _from_stack_text(str(exc))
@@ -402,7 +412,7 @@ def _runtime_order(exc: BaseException) -> list[BaseException]:
         causes.append(current)
         current = current.__cause__
     ordered = causes[::-1]
-    ordered.extend(link for link in _chain(exc) if link not in ordered)
+    ordered.extend(link for link in exception_chain(exc) if link not in ordered)
     return ordered
 
 
@@ -443,7 +453,7 @@ def location_of_error(exc: BaseException, fn: object) -> tuple[SourceLocation | 
     definition when torch gives nothing better (``None`` only if ``fn`` has no source),
     ``generated_file`` is ``None`` unless generated code was on the failing stack.
     """
-    for link in _chain(exc):
+    for link in exception_chain(exc):
         real_stack = getattr(link, "real_stack", None)  # dynamo errors
         if real_stack:
             found = _innermost_user_summary(real_stack)
@@ -456,7 +466,7 @@ def location_of_error(exc: BaseException, fn: object) -> tuple[SourceLocation | 
         if isinstance(inner, BaseException):  # BackendCompilerFailed / InductorError
             found = _backend_node_location(inner)
             if found is None:
-                for nested in _chain(inner):
+                for nested in exception_chain(inner):
                     stack = getattr(nested, "real_stack", None)
                     found = _innermost_user_summary(stack) if stack else None
                     if found is not None:
