@@ -442,3 +442,14 @@ def test_exception_chain_follows_causes_torch_wrappers_and_stops() -> None:
     loop_a.__context__, loop_b.__context__ = loop_b, loop_a
     assert list(chain(loop_a)) == [loop_a, loop_b]
     assert list(chain(top, limit=2)) == [top, cause]
+
+
+def test_location_fields_are_an_events_source_or_nothing() -> None:
+    """The one way an event gets its file, line and function: all three, or none."""
+    where = source_module.SourceLocation("/app/model.py", 12, "forward")
+    assert source_module.location_fields(where) == {
+        "file": "/app/model.py",
+        "line": 12,
+        "function": "forward",
+    }
+    assert source_module.location_fields(None) == {}

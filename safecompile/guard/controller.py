@@ -36,6 +36,7 @@ from safecompile.observe.source import (
     SourceLocation,
     dedupe_graph_breaks,
     error_type_name,
+    location_fields,
     location_of_error,
     location_of_function,
     safe_message,
@@ -378,7 +379,7 @@ class Controller:
             "buckets": self._buckets.report() if self._buckets is not None else {},
             "bucketing": self._buckets.summary() if self._buckets is not None else None,
             "events": [e.to_dict() for e in self.events()],
-            "source": _location_kwargs(self._location) or None,
+            "source": location_fields(self._location) or None,
             "ranks": self._ranks.report() if self._ranks is not None else None,
         }
 
@@ -607,7 +608,7 @@ class Controller:
                 del details["error_message"]
                 text = f"compile failed: {explained.summary} (see compile_failed)"
         else:
-            where, details = _location_kwargs(self._location), {}
+            where, details = location_fields(self._location), {}
         if graph is not None:
             details["graph"] = graph.id
             details["graph_inputs"] = graph.label
@@ -662,7 +663,7 @@ class Controller:
                 time=time.time(),
                 bucket=compiling.graph,
                 message=f"still compiling after {compiling.elapsed():.0f} s: {compiling.graph}",
-                **_location_kwargs(self._location),
+                **location_fields(self._location),
             )
         )
 
@@ -697,7 +698,7 @@ class Controller:
         """The user's source location of an error, and where generated code raised it."""
         where, generated = location_of_error(error, self._module or self._fn)
         details = {"generated_file": generated} if generated is not None else {}
-        return _location_kwargs(where or self._location), details
+        return location_fields(where or self._location), details
 
     def _on_graph(self, graph: GraphRecord, gm: torch.fx.GraphModule) -> None:
         """The backend made a graph (on the compiling thread, inside the call)."""
@@ -728,7 +729,7 @@ class Controller:
                     message=f"compiled graph {graph.id} ({graph.label}) with "
                     f"{len(breaks)} graph break(s)",
                     details={"graph": graph.id, "graphs": 1, "graph_breaks": breaks},
-                    **_location_kwargs(self._location),
+                    **location_fields(self._location),
                 )
             )
         elif first_limit:
@@ -745,7 +746,7 @@ class Controller:
                         "compiled graphs keep serving"
                     ),
                     details={"graph": graph.id},
-                    **_location_kwargs(self._location),
+                    **location_fields(self._location),
                 )
             )
         if graph.unchecked is not None and self._shadow_policy is not None:
@@ -800,7 +801,7 @@ class Controller:
                     f"{decision.pairs} paired live calls (slower_ratio={limit})"
                 ),
                 details=decision.to_dict(),
-                **_location_kwargs(self._location),
+                **location_fields(self._location),
             )
         )
         if decision.eager:
@@ -849,9 +850,3 @@ def _speed_figures(speed: CallSpeed | None) -> dict[str, Any]:
         "rounds": speed.rounds,
         "last_ratio": last.to_dict()["ratio"] if last is not None else None,
     }
-
-
-def _location_kwargs(where: SourceLocation | None) -> dict[str, Any]:
-    if where is None:
-        return {}
-    return {"file": where.file, "line": where.line, "function": where.function}

@@ -41,6 +41,7 @@ from safecompile.checks.speed import Step
 from safecompile.observe.log import torch_missing
 from safecompile.observe.source import (
     exception_chain,
+    location_fields,
     safe_message,
     truncate,
     without_our_frames,
@@ -780,9 +781,7 @@ def reject_bucket(
             message=truncate(f"bucket not used: {why}"),
             max_abs_diff=max_abs,
             max_rel_diff=max_rel,
-            file=c._location.file if c._location else None,
-            line=c._location.line if c._location else None,
-            function=c._location.function if c._location else None,
+            **location_fields(c._location),
         )
     )
 

@@ -32,7 +32,7 @@ from typing import Any
 from safecompile.base.model import Event, EventKind, Reason
 from safecompile.base.policies import Rollback
 from safecompile.fleet.ranks import Agreement, Local, Outcome
-from safecompile.observe.source import SourceLocation
+from safecompile.observe.source import SourceLocation, location_fields
 
 from .breaker import Breaker
 
@@ -215,13 +215,10 @@ class Trips:
             self._recovered("compiled path serves again on every rank", details)
 
     def _peer_event(self, message: str) -> Event:
-        where = self._hooks.location
         return Event(
             kind=EventKind.ROLLBACK,
             reason=Reason.PEER,
             time=time.time(),
             message=message,
-            file=where.file if where else None,
-            line=where.line if where else None,
-            function=where.function if where else None,
+            **location_fields(self._hooks.location),
         )

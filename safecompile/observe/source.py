@@ -45,6 +45,7 @@ __all__ = [
     "is_generated_file",
     "is_ours",
     "is_user_file",
+    "location_fields",
     "location_of_error",
     "location_of_function",
     "redact_tensors",
@@ -477,6 +478,13 @@ def location_of_error(exc: BaseException, fn: object) -> tuple[SourceLocation | 
 
 
 # ---------------------------------------------------------------------------- graph breaks
+
+
+def location_fields(where: SourceLocation | None) -> dict[str, Any]:
+    """An event's ``file`` / ``line`` / ``function`` for ``where`` (``{}`` when unknown)."""
+    if where is None:
+        return {}
+    return {"file": where.file, "line": where.line, "function": where.function}
 
 
 def _break(reason: str, location: SourceLocation | None) -> dict[str, object]:
