@@ -19,6 +19,7 @@ import torch
 
 from safecompile.persist import cache as _cache
 from safecompile.persist.cache import (
+    CallKey,
     Verdict,
     VerdictStore,
     artifact_key,
@@ -587,3 +588,18 @@ def test_cache_settings_are_thread_local_in_torch(clean_torch_env: pytest.Monkey
     assert here["fx_graph_cache"] is False
     assert seen[0]["fx_graph_cache"] is True
     assert seen[0]["autograd_cache"] is True
+
+
+def test_a_call_key_is_made_once_for_the_first_calls_device() -> None:
+    """The persisted-verdict key of a callable: artifact_key for the first call's device,
+    the same string for every later call whatever it is given."""
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    key = CallKey(double, {"backend": "eager"})
+    assert key.value is None
+    first = key.get((torch.ones(2),), {})
+    assert first == artifact_key(double, backend="eager", device=torch.device("cpu"))
+    assert key.get(("not a tensor",), {"y": 3}) == first == key.value
+    assert CallKey(double, {"backend": "aot_eager"}).get(()) != first

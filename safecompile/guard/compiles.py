@@ -16,17 +16,14 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import torch
-
 from safecompile.base.model import Reason
 from safecompile.observe.source import error_type_name, safe_message
 from safecompile.persist import remote
 from safecompile.persist.cache import (
+    CallKey,
     Verdict,
-    VerdictStore,
     _ignored,
-    artifact_key,
-    usable_root,
+    signed_store,
     use_torch_caches,
 )
 
@@ -92,18 +89,13 @@ class KnownFailures:
     """Compile failures persisted under ``SAFECOMPILE_CACHE_DIR`` (a no-op without it)."""
 
     def __init__(self, target: Callable[..., Any], options: dict[str, Any]) -> None:
-        root = usable_root()
-        store = VerdictStore(root) if root is not None else None
-        # without a key no verdict is read or written (the store said so, once)
-        self._store = store if store is not None and store.signer is not None else None
+        root, self._store = signed_store()
         if root is not None:
             try:
                 use_torch_caches(root)
             except OSError as exc:  # a cache never fails a decoration
                 _ignored(root / "torch", f"cannot use: {type(exc).__name__}: {exc}")
-        self._target = target
-        self._options = options
-        self._key: str | None = None
+        self._key = CallKey(target, options)
         self._checked = False
 
     @property
@@ -154,18 +146,12 @@ class KnownFailures:
 
     def forget(self) -> None:
         """``reset()``: drop the persisted verdict, check again before the next compile."""
-        if self._store is not None and self._key is not None:
-            self._store.clear(self._key)
+        if self._store is not None and self._key.value is not None:
+            self._store.clear(self._key.value)
         self._checked = False
 
     def _key_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        if self._key is None:
-            device = next(
-                (t.device for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)),
-                torch.device("cpu"),
-            )
-            try:
-                self._key = artifact_key(self._target, device=device, **self._options)
-            except Exception:
-                return None
-        return self._key
+        try:
+            return self._key.get(args, kwargs)
+        except Exception:  # never fail a call over a key
+            return None

@@ -52,12 +52,14 @@ from .signing import Signer, owner_problem, signer, warn_ignored, warn_once
 
 __all__ = [
     "CACHE_ENV_VAR",
+    "CallKey",
     "Verdict",
     "VerdictStore",
     "artifact_key",
     "cache_root",
     "code_fingerprint",
     "environment",
+    "signed_store",
     "torch_cache_settings",
     "usable_root",
     "use_torch_caches",
@@ -215,6 +217,27 @@ def artifact_key(
     }
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:_KEY_CHARS]
+
+
+class CallKey:
+    """One guarded callable's persisted-verdict key (:func:`artifact_key` of its target and
+    compile options), made at its first call, for the device of that call's first tensor
+    (the CPU without one)."""
+
+    def __init__(self, target: Callable[..., Any], options: Mapping[str, Any]) -> None:
+        self._target = target
+        self._options = dict(options)
+        self.value: str | None = None  # None until a call made it
+
+    def get(self, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None) -> str:
+        """The key, made now if no call made it yet; raises what :func:`artifact_key` may."""
+        if self.value is None:
+            values = (*args, *(kwargs or {}).values())
+            device = next(
+                (t.device for t in values if isinstance(t, torch.Tensor)), torch.device("cpu")
+            )
+            self.value = artifact_key(self._target, device=device, **self._options)
+        return self.value
 
 
 def code_fingerprint(fn: Callable[..., Any]) -> str:
@@ -467,6 +490,16 @@ class Verdict:
 
 _FROM_ENV: Any = object()  # VerdictStore's remote tier and key: the environment's
 _PURPOSE = "verdict"
+
+
+def signed_store() -> tuple[Path | None, VerdictStore | None]:
+    """``SAFECOMPILE_CACHE_DIR`` when it can be used, and a verdict store under it that
+    signs and verifies with the operator's key: ``(None, None)`` without a usable
+    directory, ``(root, None)`` without a key (nothing is persisted; the store said so,
+    once)."""
+    root = usable_root()
+    store = VerdictStore(root) if root is not None else None
+    return root, store if store is not None and store.signer is not None else None
 
 
 class VerdictStore:

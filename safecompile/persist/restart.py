@@ -39,7 +39,7 @@ from safecompile.base import torchcompat
 from safecompile.observe.log import log_event
 
 from .bounded import read_file
-from .cache import Verdict, VerdictStore, _write_atomic, artifact_key, usable_root
+from .cache import CallKey, Verdict, _write_atomic, signed_store
 
 if TYPE_CHECKING:
     from safecompile.shapes.buckets import Bucketer, CutSpec, Plan
@@ -71,14 +71,9 @@ class Persisted:
     """One guarded callable's bucket verdicts and compile artifacts across restarts."""
 
     def __init__(self, target: Callable[..., Any], options: Mapping[str, Any]) -> None:
-        root = usable_root()
-        store = VerdictStore(root) if root is not None else None
-        # without a key nothing is persisted here (the store said so, once)
-        self._store = store if store is not None and store.signer is not None else None
+        root, self._store = signed_store()
         self._root = root if self._store is not None else None
-        self._target = target
-        self._options = dict(options)
-        self._key: str | None = None
+        self._key = CallKey(target, options)
         self._lock = threading.Lock()
         self._artifacts_checked = False
 
@@ -91,16 +86,13 @@ class Persisted:
         self, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None
     ) -> str | None:
         """The artifact key, made at the first call (the device is the first tensor's)."""
-        if self._key is None and self._store is not None:
-            values = (*args, *(kwargs or {}).values())
-            device = next(
-                (t.device for t in values if isinstance(t, torch.Tensor)), torch.device("cpu")
-            )
-            try:
-                self._key = artifact_key(self._target, device=device, **self._options)
-            except Exception as exc:  # never fail a call over a key
-                _warn("key", exc)
-        return self._key
+        if self._store is None:
+            return None
+        try:
+            return self._key.get(args, kwargs)
+        except Exception as exc:  # never fail a call over a key
+            _warn("key", exc)
+            return None
 
     # ---------------------------------------------------------------- buckets
 
@@ -151,7 +143,7 @@ class Persisted:
         self._put(entry, BUCKET_REJECTED, why, name)
 
     def _put(self, entry: BucketEntry, kind: str, message: str, name: str, **details: Any) -> None:
-        key = self._key
+        key = self._key.value
         if self._store is None or key is None or entry.key is None:
             return
         verdict = Verdict(
@@ -204,7 +196,7 @@ class Persisted:
 
     def save_artifacts(self, name: str) -> None:
         """After a warmup: save every artifact this process compiled or loaded so far."""
-        key = self._key
+        key = self._key.value
         if self._store is None or self._root is None or key is None:
             return
         try:
@@ -244,7 +236,7 @@ class Persisted:
 
     def forget(self) -> None:
         """``reset()``: drop this key's bucket verdicts and artifacts, learn afresh."""
-        key = self._key
+        key = self._key.value
         with self._lock:
             self._artifacts_checked = False
         if self._store is None or key is None:
