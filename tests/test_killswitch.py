@@ -232,12 +232,12 @@ def test_a_doubtful_value_gets_one_warning_naming_it(
     assert g.safecompile.state == State.COMPILED
 
 
-@pytest.mark.parametrize("value", ["1", "off", "ranker.*", "embed.forward,ranker.score", "solo"])
+@pytest.mark.parametrize("value", ["1", "off", "ranker.*", "solo,ranker.score", "solo"])
 def test_a_sound_value_gets_no_warning(
     value: str, monkeypatch: pytest.MonkeyPatch, fresh_doubts: None, x: torch.Tensor
 ) -> None:
-    """Booleans, patterns that match, dotted names meant for other services, and a bare
-    word that is a guarded name are not doubted."""
+    """Booleans, patterns that match and a bare word that is a guarded name are not
+    doubted."""
     monkeypatch.setenv(ENV_VAR, value)
     safe_compile(inc, backend="eager", shadow=None, name="solo")
     g = safe_compile(inc, backend="eager", shadow=None, name="ranker.score")
@@ -255,3 +255,24 @@ def test_a_value_set_while_running_is_doubted_at_the_next_call(
     g(x)
     kinds = [e.kind for e in g.safecompile.events()]
     assert kinds.count(EventKind.SWITCH_WARNING) == 1
+
+
+def test_a_pattern_matching_no_guarded_name_is_warned_once_guards_are_built(
+    monkeypatch: pytest.MonkeyPatch, fresh_doubts: None, x: torch.Tensor
+) -> None:
+    """``rankr.*`` (a typo) matches nothing: warned at the first compiled call, once the
+    application's guards are built; ``embed.*`` is not, since a guard built after the
+    first one matches it."""
+    monkeypatch.setenv(ENV_VAR, "rankr.*,embed.*")
+    ranker = safe_compile(inc, backend="eager", shadow=None, name="ranker.score")
+    assert not [e for e in ranker.safecompile.events() if e.kind is EventKind.SWITCH_WARNING]
+    embed = safe_compile(inc, backend="eager", shadow=None, name="embed.forward")
+    ranker(x)
+    embed(x)
+    warnings = [e for e in ranker.safecompile.events() if e.kind is EventKind.SWITCH_WARNING]
+    assert [str(w.message) for w in warnings] == [
+        "SAFECOMPILE_DISABLE='rankr.*,embed.*': 'rankr.*' matches none of the 2 guarded"
+        " names in this process ('embed.forward', 'ranker.score'); it disables nothing here"
+    ]
+    assert embed.safecompile.state == State.DISABLED
+    assert not [e for e in embed.safecompile.events() if e.kind is EventKind.SWITCH_WARNING]

@@ -81,15 +81,18 @@ _SEPARATORS = re.compile(r"[;|\s]")
 _GLOB = frozenset("*?[")
 
 
-def doubts(value: str | bytes | None, names: Iterable[str]) -> list[tuple[str, str]]:
+def doubts(
+    value: str | bytes | None, names: Iterable[str], *, unmatched: bool = False
+) -> list[tuple[str, str]]:
     """What in a ``SAFECOMPILE_DISABLE`` value looks like a mistake: ``(pattern,
     sentence)`` for each doubtful pattern.
 
     ``names`` are the guarded names known now. Doubted: a separator other than a comma
     (``ranker.*;embed.*``); a bare word (no dot, no glob) that is neither a boolean nor a
     guarded name (``maybe``, ``2``, ``y``, ``disable``); a pattern that matches no guarded
-    name but would if case were ignored (``Ranker.*``). A dotted name or glob that matches
-    nothing here is not doubted: one value is often shared by several services.
+    name but would if case were ignored (``Ranker.*``); with ``unmatched``, any other
+    pattern that matches no guarded name (``rankr.*``), which is asked only once the
+    application's guards are built (at a guard's first compiled call), not at each build.
     """
     if value is None:
         return []
@@ -128,6 +131,15 @@ def doubts(value: str | bytes | None, names: Iterable[str]) -> list[tuple[str, s
                         pattern,
                         f"{shown}: {pattern!r} matches no guarded name (names are"
                         f" case-sensitive; it would match {folded[0]!r}); it disables nothing",
+                    )
+                )
+            elif unmatched:
+                some = ", ".join(repr(n) for n in known[:3]) + (", ..." if len(known) > 3 else "")
+                found.append(
+                    (
+                        pattern,
+                        f"{shown}: {pattern!r} matches none of the {len(known)} guarded names"
+                        f" in this process ({some}); it disables nothing here",
                     )
                 )
     return found
@@ -203,12 +215,12 @@ def register(name: str) -> None:
         SWITCH.names.add(name)
 
 
-def unwarned_doubts(value: str | bytes | None) -> list[str]:
+def unwarned_doubts(value: str | bytes | None, *, unmatched: bool = False) -> list[str]:
     """:func:`doubts` about ``value`` against every registered name, less those already
     returned once in this process (each is warned about once)."""
     with SWITCH.lock:
         names = tuple(SWITCH.names)
-    found = doubts(value, names)
+    found = doubts(value, names, unmatched=unmatched)
     text = os.fsdecode(value) if isinstance(value, bytes) else str(value)
     with SWITCH.lock:
         fresh = [(f"{text}\0{p}", d) for p, d in found if f"{text}\0{p}" not in SWITCH.warned]

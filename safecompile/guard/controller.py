@@ -422,6 +422,11 @@ class Controller:
         top = own_frame(self._fn)  # reset() drops the graphs of this callable alone
 
         def build() -> Callable[..., Any]:
+            # the application's guards are built by now: a pattern matching none is a typo
+            token = ks.env_token()
+            self._warn_switch_doubts(
+                token if isinstance(token, str | bytes) else None, unmatched=True
+            )
             return compile_function(
                 top,
                 backend=backend,
@@ -517,9 +522,9 @@ class Controller:
                 )
             )
 
-    def _warn_switch_doubts(self, value: str | bytes | None) -> None:
+    def _warn_switch_doubts(self, value: str | bytes | None, *, unmatched: bool = False) -> None:
         """One warning event per doubtful part of a ``SAFECOMPILE_DISABLE`` value."""
-        for doubt in ks.unwarned_doubts(value):
+        for doubt in ks.unwarned_doubts(value, unmatched=unmatched):
             self._record(Event(kind=EventKind.SWITCH_WARNING, time=time.time(), message=doubt))
 
     def _pick_compiled(self) -> bool:
