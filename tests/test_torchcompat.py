@@ -255,6 +255,8 @@ def test_every_missing_event_reads_as_one_whole_line(monkeypatch: pytest.MonkeyP
         torchcompat.side_effects(),
         torchcompat.close_symbolic_trace_window(),
         torchcompat.remote_cache_classes(),
+        torchcompat.default_store(),
+        torchcompat.source_value(object(), {}, {}, {}),
     ]
     assert torchcompat.compile_errors() == ()
     assert all(isinstance(m, torchcompat.Missing) for m in markers)
