@@ -269,3 +269,14 @@ def test_every_missing_event_reads_as_one_whole_line(monkeypatch: pytest.MonkeyP
         line = readable_line(event["event"], event)
         assert len(line) <= LINE_LIMIT, line
         assert not line.endswith("\u2026"), line
+
+
+def test_lookup_remembers_classes_not_values() -> None:
+    """A class found once is not looked up again; a config value is read afresh."""
+    name = "torch._dynamo.source.LocalSource"
+    assert torchcompat.lookup(name) is torchcompat._FOUND[name]
+    flag = "torch._inductor.config.fx_graph_cache"
+    before = torchcompat.lookup(flag)
+    with torch._inductor.config.patch(fx_graph_cache=not before):
+        assert torchcompat.lookup(flag) is (not before)
+    assert flag not in torchcompat._FOUND

@@ -84,12 +84,28 @@ class Missing:
         return False
 
 
+_FOUND: dict[str, Any] = {}  # names found that stay what they are: modules, classes, functions
+_STABLE = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType)
+
+
 def lookup(dotted: str) -> Any:
     """The object ``dotted`` names (``torch._dynamo.exc.Unsupported``), or ``None``.
 
     Imports the longest importable module prefix, then reads the rest as attributes;
-    never raises (an import that fails for any reason counts as missing).
+    never raises (an import that fails for any reason counts as missing). Modules,
+    classes and functions found are remembered (~0.1 µs again, not ~12 µs); values such
+    as config flags are read afresh each time.
     """
+    found = _FOUND.get(dotted)
+    if found is not None:
+        return found
+    found = _resolve(dotted)
+    if isinstance(found, _STABLE):
+        _FOUND[dotted] = found
+    return found
+
+
+def _resolve(dotted: str) -> Any:
     parts = dotted.split(".")
     for cut in range(len(parts), 0, -1):
         try:
