@@ -220,12 +220,12 @@ def test_pairs_are_made_of_like_calls() -> None:
 
 
 def test_a_half_pair_without_partner_expires() -> None:
-    """A group whose partner does not come within 8 strides is dropped: the next call,
+    """A group whose partner does not come within 4 strides is dropped: the next call,
     of any group, opens a new pair."""
     speed = CallSpeed(_policy(warm_calls=0))
     speed.add(0)
     speed.record(speed.plan("rare"), 1.0)
-    for _ in range(64):
+    for _ in range(32):
         speed.add(1)
         assert speed.plan("common") is Step.UNTIMED
     speed.add(1)

@@ -9,7 +9,7 @@ values, side effects and gradients, so a probe is always a correct call.
 Measuring happens in *rounds*. A round times *pairs*: two live calls of the same group
 (the caller's key: the same bucket, shapes, dtypes and grad mode, so the same graphs
 serve them), one on each arm, close in time (the partner must come within
-``8 * stride`` calls, or the half pair is dropped); which arm opens a pair alternates,
+``4 * stride`` calls, or the half pair is dropped); which arm opens a pair alternates,
 and a pair opens at most every ``stride`` calls. At ``min_pairs`` pairs, at each
 doubling of it and at ``max_pairs`` (few looks, so that looking often does not multiply
 the false verdicts), :func:`decide` reads the ratios ``compiled / eager`` of the pairs:
@@ -259,7 +259,7 @@ class CallSpeed:
         return max(left, 0)
 
     def _horizon(self) -> int:
-        return self.policy.stride * 8
+        return self.policy.stride * 4
 
     def plan(self, key: Hashable) -> Step:
         """What this call (already counted) does. ``key`` groups like calls (the same

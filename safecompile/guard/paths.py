@@ -34,7 +34,6 @@ import torch
 from safecompile.base import killswitch as ks
 from safecompile.base import torchcompat
 from safecompile.base.model import Event, EventKind, Reason
-from safecompile.base.torchcompat import pytree
 from safecompile.checks.compare import compare
 from safecompile.checks.snapshot import Snapshot
 from safecompile.checks.speed import Step
@@ -617,24 +616,23 @@ def call_key(
     bucket: str | None,
     module: torch.nn.Module | None,
 ) -> Hashable:
-    """What groups like calls for a pair: the bucket, grad mode, train/eval, and each
-    tensor's dtype, device, grad flag and shape (each size rounded up to a power of two,
-    so variable-length traffic still pairs; bools by value, other values by type)."""
-    parts: list[object] = [bucket, torch.is_grad_enabled()]
+    """What groups like calls for a pair: the bucket, grad mode, train/eval, the keyword
+    names, and for each argument (top level) a tensor's dtype, device, grad flag, rank and
+    element count rounded up to a power of two (so variable-length traffic still pairs),
+    a bool's value, or another value's type. Cheap: it runs on every call of a round."""
+    parts: list[object] = [bucket, torch.is_grad_enabled(), tuple(kwargs)]
     if module is not None:
         parts.append(module.training)
-    for leaf in pytree.tree_leaves((args, kwargs))[:_KEY_LEAVES]:
-        if isinstance(leaf, torch.Tensor):
-            shape = tuple(1 << (int(d) - 1).bit_length() if d > 1 else int(d) for d in leaf.shape)
-            parts.append((shape, leaf.dtype, leaf.device.type, leaf.requires_grad))
-        elif isinstance(leaf, bool):
-            parts.append(leaf)
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            n = value.numel()
+            size = 1 << (n - 1).bit_length() if n > 1 else n
+            parts.append((value.dtype, value.device.type, value.requires_grad, value.dim(), size))
+        elif isinstance(value, bool):
+            parts.append(value)
         else:
-            parts.append(type(leaf).__name__)
+            parts.append(type(value))
     return tuple(parts)
-
-
-_KEY_LEAVES = 64
 
 
 def _call_bucket(
