@@ -184,6 +184,14 @@ def test_stdlib_record_carries_the_raw_text_as_a_field(caplog: pytest.LogCapture
     assert event.message == "compile failed: a branch on a tensor's value (see compile_failed)"
 
 
+def test_readable_line_of_an_event_without_a_function() -> None:
+    """A process-wide event (the cache, the fleet switch) names no function: no ``?``."""
+    line = readable_line(
+        "safecompile.cache_untrusted", {"description": "SAFECOMPILE_CACHE_DIR without a key"}
+    )
+    assert line == "cache_untrusted: SAFECOMPILE_CACHE_DIR without a key"
+
+
 # ---------------------------------------------------------------------------- slow compiles
 
 

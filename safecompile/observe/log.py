@@ -175,7 +175,8 @@ def readable_line(event: str, fields: Mapping[str, Any], limit: int = LINE_LIMIT
         text = _figure(fields.get(key))
         if text is not None:
             figures.append(label.format(text))
-    head = f"{kind} {fields.get('function', '?')}"
+    function = fields.get("function")
+    head = f"{kind} {function}" if function else kind  # process-wide events name none
     if figures:
         head += f" [{', '.join(figures)}]"
     description = str(fields.get("description") or fields.get("error_type") or "")
