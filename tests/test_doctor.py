@@ -662,6 +662,7 @@ def test_measured_timings_record_the_middle_half() -> None:
     assert timing.middle_half() == (0.7, 1.2)
     speed = {c.name: c for c in judge(_report(timing=(timing,)))}["speed"]
     assert "spans 0.70x to 1.20x" in speed.summary
+    assert "(noisy: spread 50%, pairs 0.70x to 1.20x)" in speed.lines[0]
 
 
 def test_timing_says_how_far_it_got_every_few_seconds(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -227,7 +227,7 @@ def _check_speed(r: Report) -> Check:
     lines = [
         f"{t.label}: compiled {secs(t.compiled_s)}, eager {secs(t.eager_s)}"
         + (f" -> {t.ratio:.2f}x" if t.ratio is not None else "")
-        + (f" (noisy: spread {t.spread:.0%})" if t.noisy else "")
+        + (f" (noisy: {_noise(t)})" if t.noisy else "")
         + (f" - {t.note}" if t.note else "")
         for t in r.timing
     ]
@@ -288,6 +288,14 @@ def _speed_verdict(timed: list[Timing], limit: float, backend: str) -> tuple[Sta
         f"compiled takes {spread} eager's time ({samples})",
         "set Rollback(slower_ratio=1.1) to fall back if traffic shapes behave worse",
     )
+
+
+def _noise(t: Timing) -> str:
+    """How noisy a timing was: its spread, and the middle half of its pairs' ratios (the
+    medians of each path, timed apart, can disagree with the pairs' ratio when noisy)."""
+    middle = t.middle_half()
+    said = f"spread {t.spread or 0.0:.0%}"
+    return said if middle is None else f"{said}, pairs {middle[0]:.2f}x to {middle[1]:.2f}x"
 
 
 def _undecided(timing: Timing, limit: float) -> bool:
