@@ -8,11 +8,19 @@ from typing import Any
 import pytest
 import structlog
 import torch
+from structlog.testing import capture_logs
 
 from safecompile import Shadow, State, safe_compile
 from safecompile.base import torchcompat
 from safecompile.guard import backend as guard_backend
-from safecompile.observe.log import LINE_LIMIT, readable_line, torch_missing, torch_missing_said
+from safecompile.guard import controller as controller_module
+from safecompile.observe.log import (
+    LINE_LIMIT,
+    Once,
+    readable_line,
+    torch_missing,
+    torch_missing_said,
+)
 
 MISSING_EVENT = "safecompile.torch_feature_missing"
 
@@ -280,3 +288,25 @@ def test_lookup_remembers_classes_not_values() -> None:
     with torch._inductor.config.patch(fx_graph_cache=not before):
         assert torchcompat.lookup(flag) is (not before)
     assert flag not in torchcompat._FOUND
+
+
+def test_caching_precompile_is_warned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's caching precompile loads graphs past any backend, so the guard would not
+    see them: the first compile under it says so once, naming the callable."""
+    monkeypatch.setattr(torch._dynamo.config, "caching_precompile", True)
+    monkeypatch.setattr(controller_module, "_precompile_said", Once())
+    with capture_logs() as logs:
+        for name in ("pc.first", "pc.second"):
+            g = safe_compile(lambda x: x * 2, backend="eager", name=name, shadow=None)
+            torch.testing.assert_close(g(torch.ones(3)), torch.full((3,), 2.0))
+    warned = [log for log in logs if log["event"] == "safecompile.precompile_unguarded"]
+    assert [log["function"] for log in warned] == ["pc.first"]
+    assert "TORCH_CACHING_PRECOMPILE" in warned[0]["description"]
+
+
+def test_no_precompile_warning_by_default() -> None:
+    """Without caching precompile nothing is said."""
+    with capture_logs() as logs:
+        g = safe_compile(lambda x: x + 1, backend="eager", name="pc.off", shadow=None)
+        g(torch.ones(2))
+    assert not [log for log in logs if log["event"] == "safecompile.precompile_unguarded"]

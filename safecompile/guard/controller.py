@@ -30,7 +30,7 @@ from safecompile.checks.snapshot import Snapshot
 from safecompile.checks.speed import CallSpeed, Decision, SpeedPolicy, Step
 from safecompile.fleet.ranks import Agreement
 from safecompile.observe.explain import Explanation, explain
-from safecompile.observe.log import log_event, torch_missing
+from safecompile.observe.log import Once, log_event, torch_missing
 from safecompile.observe.progress import Compiling, watch_compile
 from safecompile.observe.source import (
     SourceLocation,
@@ -87,6 +87,26 @@ class Gate:
 
 def _unset(*args: Any, **kwargs: Any) -> Any:  # pragma: no cover - replaced at once
     raise RuntimeError("safecompile: the compiled function is not built yet")
+
+
+_precompile_said = Once()
+
+
+def _warn_if_precompile(name: str) -> None:
+    """torch's caching precompile (``TORCH_CACHING_PRECOMPILE=1``) installs graphs loaded
+    from its cache without calling any backend: the guard never sees them (no canary, no
+    checks, no counts). Say so once per process, naming the first guarded callable."""
+    # checked: 2.13.0 (``torch._dynamo.config.caching_precompile``; absent in 2.9.1: None)
+    if torchcompat.lookup("torch._dynamo.config.caching_precompile") is True:
+        _precompile_said.warn(
+            "caching_precompile",
+            "safecompile.precompile_unguarded",
+            function=name,
+            description=(
+                "TORCH_CACHING_PRECOMPILE=1: graphs torch loads from its precompile cache "
+                "bypass safecompile's backend (no shadow checks, no rollback); unset it"
+            ),
+        )
 
 
 class _CompileOnFirstUse:
@@ -422,6 +442,7 @@ class Controller:
         top = own_frame(self._fn)  # reset() drops the graphs of this callable alone
 
         def build() -> Callable[..., Any]:
+            _warn_if_precompile(self.name)
             # the application's guards are built by now: a pattern matching none is a typo
             token = ks.env_token()
             self._warn_switch_doubts(
