@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from safecompile import Rollback, Shadow, Warmup, safe_compile
-from safecompile.guard.graphs import mutates_in_place, random_op
+from safecompile.guard.graphs import mutates_in_place, random_op, undisabled
 
 
 def traced(fn: Callable[..., Any]) -> torch.fx.GraphModule:
@@ -138,3 +139,41 @@ def test_a_graphs_calls_count_every_run_across_its_checks() -> None:
     assert graphs[0]["checks"] >= 2 + 5
     stats = g.safecompile.stats()
     assert (stats.compiled_calls, stats.eager_calls, stats.recompile_limit_calls) == (20, 5, 5)
+
+
+def test_the_graph_wrapper_calls_a_disabled_artifact_without_its_own_disable_wrapper() -> None:
+    # Inductor hands back its artifact inside torch._dynamo.disable; dynamo wraps the
+    # backend's callable in another one, so the inner one is left out of the hot path.
+    callers: list[str] = []
+    tracing: list[bool] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        def artifact(*args: Any) -> Any:
+            callers.append(sys._getframe(1).f_code.co_name)
+            tracing.append(torch.compiler.is_compiling())
+            return gm.forward(*args)
+
+        return torch._dynamo.disable(artifact, reason="like inductor's artifact")
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return x * 2 + 1
+
+    guarded = safe_compile(f, backend=backend, shadow=None, name="undisabled")
+    x = torch.arange(4.0)
+    for _ in range(3):
+        torch.testing.assert_close(guarded(x), f(x))
+    stats = guarded.safecompile.stats()
+    assert (stats.compiled_calls, stats.eager_calls) == (3, 0), stats
+    assert set(callers) == {"run"}, callers  # called by the graph wrapper itself
+    assert not any(tracing)  # dynamo's own disable still covers it
+
+
+def test_undisabled_takes_off_only_recursive_disable_wrappers() -> None:
+    def plain(x: int) -> int:
+        return x
+
+    once = torch._dynamo.disable(plain)
+    assert undisabled(torch._dynamo.disable(once)) is plain
+    assert undisabled(plain) is plain
+    shallow = torch._dynamo.disable(plain, recursive=False)  # skips only its own frame
+    assert undisabled(shallow) is shallow
