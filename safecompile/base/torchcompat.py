@@ -70,6 +70,7 @@ __all__ = [
     "reset_code",
     "side_effects",
     "source_value",
+    "undisabled",
 ]
 
 
@@ -312,6 +313,31 @@ def frame_code() -> types.CodeType | None:
     except Exception:
         return None
     return code if isinstance(code, types.CodeType) else None
+
+
+def undisabled(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` without the ``torch._dynamo.disable`` wrappers around it.
+
+    Inductor returns its artifact inside one, and dynamo wraps whatever a backend returns
+    in another ("do not trace Dynamo-compiled graph") before its code calls it. Around the
+    guard's graph wrapper that outer one already switches dynamo off, so the inner one
+    only does it a second time (~0.25 µs a call). Only a recursive disable wrapper made by
+    torch is taken off: its ``_torchdynamo_wrapper_id`` is its own id (what torch's
+    ``innermost_fn`` checks), so a user's ``functools.wraps`` copy of one is kept.
+
+    checked: 2.13.0 (``DisableContext.__call__`` sets ``_torchdynamo_disable``,
+    ``_torchdynamo_disable_recursive``, ``_torchdynamo_orig_callable`` and
+    ``_torchdynamo_wrapper_id``); 2.9.1 sets no wrapper id or recursive flag: nothing is
+    taken off there (correct, not faster).
+    """
+    while (
+        getattr(fn, "_torchdynamo_disable", False) is True
+        and getattr(fn, "_torchdynamo_disable_recursive", False) is True
+        and getattr(fn, "_torchdynamo_wrapper_id", None) == id(fn)
+        and callable(getattr(fn, "_torchdynamo_orig_callable", None))
+    ):
+        fn = fn._torchdynamo_orig_callable  # type: ignore[attr-defined]
+    return fn
 
 
 class SideEffects(NamedTuple):

@@ -49,7 +49,6 @@ __all__ = [
     "random_op",
     "time_tracing",
     "trace_started",
-    "undisabled",
 ]
 
 
@@ -326,7 +325,7 @@ def _instrument(
     record: GraphRecord, inner: Callable[..., Any], hooks: GraphHooks
 ) -> Callable[..., Any]:
     """The compiled graph as torch will run it: first note the run in the caller's slot."""
-    inner = undisabled(inner)
+    inner = torchcompat.undisabled(inner)  # dynamo disables around this wrapper
     local = hooks.local
     snapshot = hooks.snapshot
     clock = hooks.clock
@@ -376,24 +375,6 @@ def _instrument(
 
     limited.__name__ = run.__name__
     return limited
-
-
-def undisabled(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` without the ``torch._dynamo.disable`` wrappers around it.
-
-    Inductor returns its artifact wrapped in one, and dynamo wraps whatever a backend
-    returns in another ("do not trace Dynamo-compiled graph") before its code calls it:
-    that outer one runs around the graph wrapper, so an inner one only switches dynamo
-    off a second time, ~0.25 µs a call. Only a recursive disable wrapper is taken off
-    (what torch's ``innermost_fn`` follows, with the disable flags checked too)."""
-    while (
-        getattr(fn, "_torchdynamo_disable", False) is True
-        and getattr(fn, "_torchdynamo_disable_recursive", False) is True
-        and getattr(fn, "_torchdynamo_wrapper_id", None) == id(fn)
-        and callable(getattr(fn, "_torchdynamo_orig_callable", None))
-    ):
-        fn = fn._torchdynamo_orig_callable  # type: ignore[attr-defined]
-    return fn
 
 
 # ---------------------------------------------------------------- compile timing
