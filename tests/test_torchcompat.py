@@ -293,7 +293,14 @@ def test_lookup_remembers_classes_not_values() -> None:
 def test_caching_precompile_is_warned_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's caching precompile loads graphs past any backend, so the guard would not
     see them: the first compile under it says so once, naming the callable."""
-    monkeypatch.setattr(torch._dynamo.config, "caching_precompile", True)
+    # torch's config itself is left alone (switching it on changes every later compile in
+    # the process); the guard reads it through torchcompat.lookup, so that answers "on"
+    real_lookup = torchcompat.lookup
+
+    def lookup(dotted: str) -> Any:
+        return True if dotted == "torch._dynamo.config.caching_precompile" else real_lookup(dotted)
+
+    monkeypatch.setattr(torchcompat, "lookup", lookup)
     monkeypatch.setattr(controller_module, "_precompile_said", Once())
     with capture_logs() as logs:
         for name in ("pc.first", "pc.second"):
@@ -305,7 +312,8 @@ def test_caching_precompile_is_warned_once(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_no_precompile_warning_by_default() -> None:
-    """Without caching precompile nothing is said."""
+    """Without caching precompile nothing is said (and torch 2.13 has the flag, off)."""
+    assert torchcompat.lookup("torch._dynamo.config.caching_precompile") is False
     with capture_logs() as logs:
         g = safe_compile(lambda x: x + 1, backend="eager", name="pc.off", shadow=None)
         g(torch.ones(2))
