@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from structlog.testing import capture_logs
 
 from safecompile import Buckets, ConfigError, Rollback, Shadow, Warmup, pow2, safe_compile
 from safecompile.base.options import Options
@@ -143,14 +144,19 @@ def test_a_bucketed_dim_past_the_rank_is_refused_at_warmup() -> None:
         )
 
 
-def test_a_bucketed_dim_past_the_rank_is_refused_at_the_first_call() -> None:
+def test_a_bucketed_dim_past_the_rank_is_warned_at_the_first_call() -> None:
+    """A live call never raises what eager would not (API.md §1): it is served unpadded,
+    and the mistake is said once per callable, naming the dim and the argument."""
     backend = RecordingBackend()
     guarded = safe_compile(
         total, backend=backend, buckets=Buckets(dims={"x": -3}, sizes=pow2(4, 16))
     )
-    with pytest.raises(ConfigError, match=r"pads dim -3 of x, which has 2 dim\(s\)"):
-        guarded(torch.ones(5, 2))
-    assert backend.graphs == []  # refused before anything compiled
+    with capture_logs() as logs:
+        for _ in range(3):
+            assert torch.equal(guarded(torch.ones(5, 2)), total(torch.ones(5, 2)))
+    warned = [log for log in logs if log["event"] == "safecompile.bucket_dims_wrong"]
+    assert len(warned) == 1
+    assert "pads dim -3 of x, which has 2 dim(s)" in warned[0]["description"]
     assert torch.equal(guarded(torch.ones(5, 2, 1)), total(torch.ones(5, 2, 1)))
 
 

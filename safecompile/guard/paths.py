@@ -33,11 +33,12 @@ import torch
 
 from safecompile.base import killswitch as ks
 from safecompile.base import torchcompat
+from safecompile.base.errors import ConfigError
 from safecompile.base.model import Event, EventKind, Reason
 from safecompile.checks.compare import compare
 from safecompile.checks.snapshot import Snapshot
 from safecompile.checks.speed import Step
-from safecompile.observe.log import torch_missing
+from safecompile.observe.log import Once, torch_missing
 from safecompile.observe.source import (
     exception_chain,
     location_fields,
@@ -510,7 +511,7 @@ def _call_compiled(
     warmup: bool,
 ) -> Any:
     """Call the compiled function from the slow path (buckets planned here)."""
-    planned = _plan_bucket(c, args, kwargs)
+    planned = _plan_bucket(c, args, kwargs, warmup=warmup)
     if planned is None:
         return eager(c, args, kwargs, warmup=warmup)
     plan, entry = planned
@@ -544,7 +545,7 @@ def _call_compiled(
 
 
 def _plan_bucket(
-    c: Controller, args: tuple[Any, ...], kwargs: dict[str, Any]
+    c: Controller, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmup: bool
 ) -> tuple[Plan | None, BucketEntry | None] | None:
     """The call's bucket and its entry (``(None, None)``: not bucketed), or ``None`` when
     eager serves the call (oversize, or a rejected bucket)."""
@@ -556,8 +557,8 @@ def _plan_bucket(
             return None
         return None, None  # compile the shape as it is
     if plan is None or plan.status != "bucketed":
-        if plan is not None:  # a dim past the argument's rank: ConfigError
-            c._buckets.bucketer.check_dims(args, kwargs)
+        if plan is not None:  # a dim past the argument's rank
+            _check_bucket_dims(c, args, kwargs, warmup=warmup)
         return None, None  # unbucketable: run it unpadded
     entry = c._buckets.entry(plan)
     if not entry.looked_up:  # what an earlier process learnt (_restart)
@@ -782,6 +783,29 @@ def reject_bucket(
             **location_fields(c._location),
         )
     )
+
+
+_dims_said = Once()
+
+
+def _check_bucket_dims(
+    c: Controller, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmup: bool
+) -> None:
+    """A bucketed dim past its argument's rank is the user's configuration mistake: a
+    warmup raises its ``ConfigError``; a live call is served unpadded (eager would not
+    raise) with one warning per callable and message."""
+    assert c._buckets is not None
+    try:
+        c._buckets.bucketer.check_dims(args, kwargs)
+    except ConfigError as error:
+        if warmup:
+            raise
+        _dims_said.warn(
+            (c.name, str(error)),
+            "safecompile.bucket_dims_wrong",
+            function=c.name,
+            description=truncate(f"{error}; calls with this shape run unpadded"),
+        )
 
 
 def start_background(c: Controller, run: Callable[[], None], *, nice: int | None = 19) -> None:
