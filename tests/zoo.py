@@ -91,10 +91,9 @@ def _ready(
     return ZooModel(name=name, module=module.eval(), inputs=inputs, output=output)
 
 
-def bert(*, dropout: float = 0.1) -> ZooModel:
-    """BERT encoder (``BertModel``, no pooler), 2 layers, hidden 32, 2 heads."""
-    torch.manual_seed(SEED)
-    config = BertConfig(
+def _bert_config(*, dropout: float, **extra: Any) -> BertConfig:
+    """The zoo's BERT: 2 layers, hidden 32, 2 heads (``extra``: a head's settings)."""
+    return BertConfig(
         vocab_size=VOCAB,
         hidden_size=HIDDEN,
         num_hidden_layers=2,
@@ -103,7 +102,14 @@ def bert(*, dropout: float = 0.1) -> ZooModel:
         max_position_embeddings=64,
         hidden_dropout_prob=dropout,
         attention_probs_dropout_prob=dropout,
+        **extra,
     )
+
+
+def bert(*, dropout: float = 0.1) -> ZooModel:
+    """BERT encoder (``BertModel``, no pooler), 2 layers, hidden 32, 2 heads."""
+    torch.manual_seed(SEED)
+    config = _bert_config(dropout=dropout)
     # No pooler: the main output is last_hidden_state, and a pooler left out of the loss
     # gets zero gradients (not None) under torch.compile, unlike eager.
     model = BertModel(config, add_pooling_layer=False)
@@ -221,15 +227,5 @@ def bert_classifier(*, labels: int = 3) -> nn.Module:
     """``BertForSequenceClassification`` (2 layers, hidden 32, no dropout) in ``train()``:
     called with ``labels`` it sets ``config.problem_type`` on its first call."""
     torch.manual_seed(SEED)
-    config = BertConfig(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=labels,
-    )
+    config = _bert_config(dropout=0.0, num_labels=labels)
     return BertForSequenceClassification(config).train()
