@@ -12,7 +12,8 @@ from .base.errors import ConfigError
 from .base.killswitch import ENV_VAR, disable, enable
 from .base.model import Event, EventKind, Reason, State, Stats
 from .base.policies import Buckets, Rollback, Shadow, Warmup, pow2, steps
-from .guard.decorator import Guarded, safe_compile
+from .compose import safe_compile
+from .guard.decorator import Guarded
 from .observe.telemetry import configure
 
 __all__ = [

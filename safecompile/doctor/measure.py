@@ -27,8 +27,8 @@ from safecompile.base.model import Event, EventKind, State
 from safecompile.base.policies import Buckets, Rollback
 from safecompile.base.torchcompat import pytree
 from safecompile.checks.compare import compare
+from safecompile.compose import safe_compile
 from safecompile.guard.backend import backend_name, build_compiler, validate_compile_options
-from safecompile.guard.decorator import safe_compile
 from safecompile.guard.graphs import RecordedGraph, Recorder, outside_effects
 from safecompile.observe.progress import spinner
 from safecompile.observe.source import dedupe_graph_breaks, location_of_function

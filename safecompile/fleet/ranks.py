@@ -41,12 +41,13 @@ import json
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Any
 
 from safecompile.base import torchcompat
 from safecompile.base.errors import ConfigError
 from safecompile.base.model import Event, Reason
+from safecompile.guard.peers import Local, Outcome
 from safecompile.observe.log import torch_missing
 from safecompile.observe.source import without_our_frames
 
@@ -89,31 +90,9 @@ def _dist() -> Any:
     return dist if dist.is_available() else None
 
 
-@dataclass(frozen=True, slots=True)
-class Local:
-    """This rank's side of a safe point."""
-
-    tripped: bool  # held for agreement, or already eager
-    reason: Reason | None
-    ready: bool  # tripped, its retry wait over, nothing new held: may try compiled again
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """What a safe point decided, the same on every rank."""
-
-    call: int  # calls served before the safe point: the first call on the new path
-    rank: int
-    world: int
-    trip: bool = False  # some rank tripped: every rank leaves the compiled path
-    origin: int | None = None  # the lowest tripped rank
-    origin_reason: Reason | None = None
-    recover: bool = False  # every rank tripped and ready: all try compiled again
-    failure: str | None = None  # the agreement ended here (timeout, a dead or late peer)
-
-
 class Agreement:
-    """The agreement of one guarded callable with its peers (see the module doc)."""
+    """The agreement of one guarded callable with its peers (see the module doc): the
+    guard's :class:`~safecompile.guard.peers.Peers`."""
 
     def __init__(
         self,

@@ -28,7 +28,6 @@ from safecompile.base.options import CompilerFn, Options
 from safecompile.base.policies import FOREVER
 from safecompile.checks.snapshot import Snapshot
 from safecompile.checks.speed import CallSpeed, Decision, SpeedPolicy, Step
-from safecompile.fleet.ranks import Agreement
 from safecompile.observe.explain import Explanation, explain
 from safecompile.observe.log import Once, log_event, torch_missing
 from safecompile.observe.progress import Compiling, watch_compile
@@ -58,6 +57,7 @@ from .graphs import (
     time_tracing,
     trace_started,
 )
+from .peers import Peers
 from .shadow import ShadowRunner, Sink
 from .slots import Slots
 from .trips import TripHooks, Trips
@@ -151,6 +151,7 @@ class Controller:
         module: torch.nn.Module | None = None,
         bucketer: Bucketer | None = None,
         warm_call: WarmCall,
+        peers: Peers | None = None,
     ) -> None:
         self.name = name
         """The stable name: what the kill switch, telemetry and persisted verdicts use."""
@@ -184,14 +185,7 @@ class Controller:
                 last_reason=self._last_reason,
                 location=self._location,
             ),
-            Agreement(
-                opts.group,
-                every=rollback.sync_every,
-                timeout=rollback.sync_timeout,
-                name=self.name,
-            )
-            if opts.group is not None
-            else None,
+            peers,
         )
         self._compiles = CompileTracker(self._update_gate)
         self._buckets = BucketTable(bucketer) if bucketer is not None else None
@@ -232,7 +226,7 @@ class Controller:
     # ------------------------------------------------------------------ public controller
 
     @property
-    def _ranks(self) -> Agreement | None:
+    def _ranks(self) -> Peers | None:
         """The agreement with the peers of a process group (``None`` without one)."""
         return self._trips.ranks
 

@@ -1,4 +1,5 @@
-"""``safe_compile``: the decorator, its forms, and the guarded callable it returns."""
+"""The body of ``safe_compile`` (:mod:`safecompile.compose`): its forms, options resolved,
+modules guarded in place, and the guarded callable it returns."""
 
 from __future__ import annotations
 
@@ -7,15 +8,13 @@ import functools
 import inspect
 import types
 from collections.abc import Callable
-from typing import Any, Protocol, TypeVar, overload, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
 from safecompile.base.errors import ConfigError
-from safecompile.base.options import Clock, Options
-from safecompile.base.policies import Buckets, Rollback, Shadow, Warmup
-from safecompile.fleet.ranks import check_group
-from safecompile.fleet.switch import watch as watch_disable_source
+from safecompile.base.options import Options
+from safecompile.base.policies import Buckets, Warmup
 from safecompile.observe.source import without_our_frames
 from safecompile.observe.telemetry import Telemetry
 from safecompile.persist.remote import activate as activate_remote_cache
@@ -24,13 +23,11 @@ from safecompile.shapes.buckets import Bucketer, Strategy, resolve_strategy
 from .backend import build_compiler, validate_compile_options
 from .controller import Controller, Sink
 from .paths import entrypoint, start_background, warm_call
+from .peers import Fleet, Peers
 
-__all__ = ["Guarded", "safe_compile"]
+__all__ = ["Guarded", "decorate"]
 
-F = TypeVar("F", bound=Callable[..., Any])
 M = TypeVar("M", bound=torch.nn.Module)
-
-_DEFAULT = Options()  # the signature's defaults: the record's (a test compares them)
 
 
 @runtime_checkable
@@ -88,78 +85,16 @@ def _plain_forward(module: torch.nn.Module) -> Callable[..., Any]:
     return types.MethodType(type(module).forward, module)
 
 
-@overload
-def safe_compile(fn: M, /, **options: Any) -> M: ...
-
-
-@overload
-def safe_compile(fn: F, /, **options: Any) -> F: ...
-
-
-@overload
-def safe_compile(fn: None = None, /, **options: Any) -> Callable[[F], F]: ...
-
-
-def safe_compile(
-    fn: Any = None,
-    /,
-    *,
-    backend: str | Callable[..., Any] = _DEFAULT.backend,
-    mode: str | None = _DEFAULT.mode,
-    options: dict[str, Any] | None = None,
-    dynamic: bool | None = _DEFAULT.dynamic,
-    fullgraph: bool = _DEFAULT.fullgraph,
-    name: str | None = _DEFAULT.name,
-    buckets: Buckets | None = _DEFAULT.buckets,
-    warmup: Warmup | None = _DEFAULT.warmup,
-    shadow: Shadow | None = _DEFAULT.shadow,
-    rollback: Rollback = _DEFAULT.rollback,
-    rollout: float = _DEFAULT.rollout,
-    group: Any = _DEFAULT.group,
-    tracer_provider: Any = _DEFAULT.tracer_provider,
-    meter_provider: Any = _DEFAULT.meter_provider,
-    clock: Clock = _DEFAULT.clock,
-    **unknown: object,
-) -> Any:
-    """Guard ``torch.compile`` on a function, a method or an ``nn.Module``.
-
-    Forms: ``@safe_compile``, ``@safe_compile(...)``, ``safe_compile(fn, ...)`` and
-    ``safe_compile(module, ...)`` (the module is guarded in place and returned). A
-    ``functools.partial`` or a callable object is guarded like a function. Bad options
-    raise :class:`ConfigError` now, not on the first call.
-
-    :param fn: the function, method or ``nn.Module`` to guard; omitted in the
-        ``@safe_compile(...)`` form.
-    :param backend: ``torch.compile``'s backend: a name or a callable, unchanged.
-    :param mode: ``torch.compile``'s mode (``"reduce-overhead"``, ``"max-autotune"``...).
-    :param options: ``torch.compile``'s backend options, unchanged.
-    :param dynamic: ``torch.compile``'s ``dynamic``, unchanged.
-    :param fullgraph: ``torch.compile``'s ``fullgraph``: a graph break is a compile failure.
-    :param name: the stable name the kill switch, telemetry and persisted verdicts use;
-        default ``module.qualname`` of the function (of the class, plus ``.forward``).
-    :param buckets: pad variable dims to a bounded set of sizes (:class:`Buckets`);
-        ``None``: no padding.
-    :param warmup: compile ahead of traffic (:class:`Warmup`); ``None``: on the first call.
-    :param shadow: compare compiled outputs with eager's (:class:`Shadow`); ``None``: off.
-    :param rollback: when to leave the compiled path and when to retry (:class:`Rollback`).
-    :param rollout: the share of calls sent to the compiled path (0 to 1; the rest run eager).
-    :param group: a ``torch.distributed`` ProcessGroup, or ``True`` for the default
-        group (resolved at the first safe point): every rank switches together
-        (docs/fleet.md).
-    :param tracer_provider: OpenTelemetry tracer provider; ``None``: the global one.
-    :param meter_provider: OpenTelemetry meter provider; ``None``: the global one.
-    :param clock: monotonic seconds, injected by tests (``safecompile.testing.FakeClock``).
-    :returns: the guarded callable (for a module: the same module, guarded in place).
-    """
-    given = locals()  # first: exactly the parameters, one per field of Options
-    Options.refuse_unknown(unknown)
-    opts, strategy = _resolve(Options(**{option: given[option] for option in Options.names()}))
+def decorate(fn: Any, opts: Options, fleet: Fleet) -> Any:
+    """``safe_compile``'s body, with the fleet plugged in (:mod:`safecompile.compose`):
+    the options checked, then ``fn`` guarded, or a decorator when ``fn`` is ``None``."""
+    opts, strategy = _resolve(opts, fleet)
     if fn is None:
-        return functools.partial(_guard, opts=opts, strategy=strategy)
-    return _guard(fn, opts=opts, strategy=strategy)
+        return functools.partial(_guard, opts=opts, strategy=strategy, fleet=fleet)
+    return _guard(fn, opts=opts, strategy=strategy, fleet=fleet)
 
 
-def _resolve(opts: Options) -> tuple[Options, Strategy | None]:
+def _resolve(opts: Options, fleet: Fleet) -> tuple[Options, Strategy | None]:
     """The checks that need torch or the process group, then the buckets fitted."""
     validate_compile_options(
         backend=opts.backend,
@@ -168,7 +103,7 @@ def _resolve(opts: Options) -> tuple[Options, Strategy | None]:
         dynamic=opts.dynamic,
         fullgraph=opts.fullgraph,
     )
-    check_group(opts.group)
+    fleet.check_group(opts.group)
     if opts.buckets is None:
         return opts, None
     return _fit_buckets(opts, opts.buckets)
@@ -212,11 +147,11 @@ def _fit_buckets(opts: Options, buckets: Buckets) -> tuple[Options, Strategy]:
     return dataclasses.replace(opts, dynamic=dynamic, rollback=rollback), strategy
 
 
-def _guard(target: Any, *, opts: Options, strategy: Strategy | None) -> Any:
+def _guard(target: Any, *, opts: Options, strategy: Strategy | None, fleet: Fleet) -> Any:
     if getattr(target, "safecompile", None) is not None:
         raise TypeError(f"{target!r} is already guarded by safe_compile")
     if isinstance(target, torch.nn.Module):
-        return _guard_module(target, opts, strategy)
+        return _guard_module(target, opts, strategy, fleet)
     if inspect.iscoroutinefunction(target) or inspect.isasyncgenfunction(target):
         raise TypeError(
             "safe_compile cannot guard async function "
@@ -237,7 +172,8 @@ def _guard(target: Any, *, opts: Options, strategy: Strategy | None) -> Any:
         raise TypeError(
             f"safe_compile needs a function or an nn.Module, got {type(target).__name__}"
         )
-    controller = _controller(opts.name or _name_of(target), target, opts, strategy, module=None)
+    name = opts.name or _name_of(target)
+    controller = _controller(name, target, opts, strategy, fleet, module=None)
     guarded = _make_guarded(controller, target)
     _start_warmup(controller, opts.warmup)
     return guarded
@@ -254,11 +190,11 @@ def _name_of(target: Callable[..., Any]) -> str:
     return f"{getattr(inner, '__module__', None) or '__main__'}.{inner.__qualname__}"
 
 
-def _guard_module(module: M, opts: Options, strategy: Strategy | None) -> M:
+def _guard_module(module: M, opts: Options, strategy: Strategy | None, fleet: Fleet) -> M:
     cls = type(module)
     name = opts.name or f"{cls.__module__}.{cls.__qualname__}.forward"
     forward = module.forward  # the bound forward, as the class defines it
-    controller = _controller(name, forward, opts, strategy, module=module)
+    controller = _controller(name, forward, opts, strategy, fleet, module=module)
     # Instance attributes: type, parameters, buffers and state_dict() keys stay as they are.
     object.__setattr__(module, "forward", _ModuleForward(controller, forward))
     object.__setattr__(module, "safecompile", controller)
@@ -271,11 +207,12 @@ def _controller(
     fn: Callable[..., Any],
     opts: Options,
     strategy: Strategy | None,
+    fleet: Fleet,
     *,
     module: torch.nn.Module | None,
 ) -> Controller:
     activate_remote_cache()  # SAFECOMPILE_REMOTE_CACHE: torch's remote caches, fleet verdicts
-    watch_disable_source()  # SAFECOMPILE_DISABLE_SOURCE: the fleet kill switch
+    fleet.watch()  # SAFECOMPILE_DISABLE_SOURCE: the fleet kill switch
     sink: Sink = Telemetry(
         function=name,
         backend=opts.backend_label,
@@ -295,6 +232,17 @@ def _controller(
         module=module,
         bucketer=bucketer,
         warm_call=warm_call,
+        peers=_peers(name, opts, fleet),
+    )
+
+
+def _peers(name: str, opts: Options, fleet: Fleet) -> Peers | None:
+    """The agreement with the ranks of ``group=`` (``None`` without one)."""
+    if opts.group is None:
+        return None
+    rollback = opts.rollback
+    return fleet.peers(
+        opts.group, every=rollback.sync_every, timeout=rollback.sync_timeout, name=name
     )
 
 

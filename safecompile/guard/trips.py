@@ -8,7 +8,7 @@ Everything that sends a guarded callable to eager and brings it back goes throug
 - :meth:`Trips.claim_trial` / :meth:`Trips.end_trial`: the half-open trial after
   ``retry_after`` (without a process group);
 - :meth:`Trips.safe_point`: this rank's side of the agreement with its peers
-  (:mod:`safecompile.fleet.ranks` carries the verdicts); an agreed recovery;
+  (:class:`.peers.Peers` carries the verdicts); an agreed recovery;
 - :meth:`Trips._retrying` and :meth:`Trips._recovered`: the one recovery routine both
   use. A trial first restarts the speed verdict, so the call that tries the compiled
   path runs it and is measured afresh (a verdict that had found eager faster would
@@ -31,10 +31,10 @@ from typing import Any
 
 from safecompile.base.model import Event, EventKind, Reason
 from safecompile.base.policies import Rollback
-from safecompile.fleet.ranks import Agreement, Local, Outcome
 from safecompile.observe.source import SourceLocation, location_fields
 
 from .breaker import Breaker
+from .peers import Local, Outcome, Peers
 
 __all__ = ["TripHooks", "Trips"]
 
@@ -63,7 +63,7 @@ class Trips:
         policy: Rollback,
         clock: Callable[[], float],
         hooks: TripHooks,
-        ranks: Agreement | None = None,
+        ranks: Peers | None = None,
     ) -> None:
         self.breaker = Breaker(policy, clock)
         self.ranks = ranks
@@ -176,7 +176,7 @@ class Trips:
             ready=retry_at is not None and self._clock() >= retry_at,
         )
 
-    def _safe_point(self, ranks: Agreement, call: int) -> None:
+    def _safe_point(self, ranks: Peers, call: int) -> None:
         held = ranks.take_held()
         outcome = ranks.agree(self._local(held), call)
         if outcome is None:  # no agreement (ended, or no group yet): a held trip applies alone
