@@ -11,20 +11,22 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
-import math
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from . import doctor
 from .doctor import html as _html
+from .doctor.text import LINE_LIMIT
 
 __all__ = ["main"]
 
-EXIT_READY = 0
-EXIT_NOT_READY = 1
+_N = TypeVar("_N", int, float)
+
 EXIT_USAGE = 2
 EXIT_CRASH = 3
 
@@ -39,34 +41,26 @@ tuple of arguments, a dict of keyword arguments or a tensor) or one call's tuple
 arguments."""
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _number(
+    convert: Callable[[str], _N], ok: Callable[[_N], bool], rule: str
+) -> Callable[[str], _N]:
+    """An argparse ``type``: the flag's text converted, refused unless ``ok`` (``rule`` says why)."""
+
+    def parse(text: str) -> _N:
+        try:
+            value = convert(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {rule}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {rule}, got {text!r}")
+        return value
+
+    return parse
 
 
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
-    if math.isnan(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a number > 0 (inf: never), got {text!r}")
-    return value
+_positive_int = _number(int, lambda n: n >= 1, "an integer >= 1")
+_count = _number(int, lambda n: n >= 0, "an integer >= 0")
+_ratio = _number(float, lambda x: x > 0, "a number > 0 (inf: never)")  # NaN > 0 is False
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -81,64 +75,60 @@ def _parser() -> argparse.ArgumentParser:
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    doctor.add_argument(
+    add = doctor.add_argument
+    add(
         "target",
         metavar="MODULE:FACTORY",
         help="a module (dotted, importable from here) or a .py file, and the factory in it",
     )
-    doctor.add_argument(
-        "--backend",
-        help="torch.compile backend (default: the target's, else inductor)",
-    )
-    doctor.add_argument("--mode", help="inductor mode (default: the target's, else none)")
-    doctor.add_argument(
+    add("--backend", help="torch.compile backend (default: the target's, else inductor)")
+    add("--mode", help="inductor mode (default: the target's, else none)")
+    add(
         "--dynamic",
         choices=("true", "false", "auto"),
         help="torch.compile's dynamic: true, false, or auto (None; the default)",
     )
-    doctor.add_argument(
-        "--json", metavar="PATH", help="also write the report as JSON to PATH ('-': stdout)"
-    )
-    doctor.add_argument(
+    add("--json", metavar="PATH", help="also write the report as JSON to PATH ('-': stdout)")
+    add(
         "--html",
         metavar="PATH",
         help="also write the report as one self-contained HTML page with plots to PATH "
         "(needs matplotlib: pip install 'safecompile[html]')",
     )
-    doctor.add_argument(
+    add(
         "--traceback",
         action="store_true",
         help="on a usage error raised by your code (an import or the factory), also print "
         "its traceback",
     )
-    doctor.add_argument(
+    add(
         "--repeat",
         type=_positive_int,
         default=20,
         metavar="N",
         help="timing samples per example and path (default 20)",
     )
-    doctor.add_argument("--quick", action="store_true", help="skip the shape sweep and the timing")
-    doctor.add_argument(
+    add("--quick", action="store_true", help="skip the shape sweep and the timing")
+    add(
         "--grad",
         action="store_true",
         help="run with autograd on (default: under torch.no_grad(), as for inference)",
     )
-    doctor.add_argument(
+    add(
         "--max-graph-breaks",
         type=_count,
         default=0,
         metavar="N",
         help="graph breaks allowed before the check fails (default 0)",
     )
-    doctor.add_argument(
+    add(
         "--max-recompiles",
         type=_positive_int,
         metavar="N",
         help="compiles allowed before new shapes run eager, as Rollback(max_recompiles) "
         "(default: the target's, else 8)",
     )
-    doctor.add_argument(
+    add(
         "--slower-ratio",
         type=_ratio,
         default=1.10,
@@ -161,16 +151,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     return _doctor(args)
 
 
-_LINE_LIMIT = 200
-
-
 def _usage_error(message: str) -> int:
     """Say what is wrong in one line on stderr, of at most 200 characters (a longer one
     loses its middle, keeping what went wrong and where); return the usage exit code."""
     line = f"safecompile doctor: error: {' '.join(message.split())}"
-    if len(line) > _LINE_LIMIT:
-        tail = _LINE_LIMIT * 2 // 5
-        line = line[: _LINE_LIMIT - tail - 1] + "\u2026" + line[-tail:]
+    if len(line) > LINE_LIMIT:
+        tail = LINE_LIMIT * 2 // 5
+        line = line[: LINE_LIMIT - tail - 1] + "\u2026" + line[-tail:]
     print(line, file=sys.stderr)
     return EXIT_USAGE
 
@@ -195,16 +182,9 @@ def _doctor(args: argparse.Namespace) -> int:
     if problem is not None:
         return _usage_error(problem)
 
+    flags = vars(args)  # each flag but --json, --html and --traceback is a Settings field
     settings = doctor.Settings(
-        backend=args.backend,
-        mode=args.mode,
-        dynamic=args.dynamic,
-        grad=args.grad,
-        quick=args.quick,
-        repeat=args.repeat,
-        max_graph_breaks=args.max_graph_breaks,
-        max_recompiles=args.max_recompiles,
-        slower_ratio=args.slower_ratio,
+        **{f.name: flags[f.name] for f in dataclasses.fields(doctor.Settings) if f.name in flags}
     )
 
     def progress(line: str) -> None:

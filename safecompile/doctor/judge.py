@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from functools import partial
 
 from .formats import graphs, message_lines, secs, where
 from .report import Check, Report, Status, Timing
@@ -12,24 +12,17 @@ from .report import Check, Report, Status, Timing
 __all__ = ["is_debug_backend", "judge"]
 
 
-@dataclass(frozen=True, slots=True)
-class _Verdicts:
-    """One check's name and title; called with a status, it is that check's answer."""
-
-    name: str
-    title: str
-
-    def __call__(
-        self, status: Status, summary: str, advice: str = "none", lines: Sequence[str] = ()
-    ) -> Check:
-        return Check(
-            name=self.name,
-            title=self.title,
-            status=status,
-            summary=summary,
-            advice=advice,
-            lines=tuple(lines),
-        )
+def _check(
+    name: str, status: Status, summary: str, advice: str = "none", lines: Sequence[str] = ()
+) -> Check:
+    return Check(
+        name=name,
+        title=name.replace("_", " "),
+        status=status,
+        summary=summary,
+        advice=advice,
+        lines=tuple(lines),
+    )
 
 
 def judge(report: Report) -> tuple[Check, ...]:
@@ -44,7 +37,7 @@ def judge(report: Report) -> tuple[Check, ...]:
 
 
 def _check_compile(r: Report) -> Check:
-    verdict = _Verdicts("compile", "compile")
+    verdict = partial(_check, "compile")
     failure = r.failure
     if failure is not None:
         place = where(failure.file, failure.line, failure.function)
@@ -57,17 +50,17 @@ def _check_compile(r: Report) -> Check:
         if failure.reason == "runtime_error":
             return verdict(
                 "fail",
-                summary=f"the compiled code raised {failure.error_type} where eager does not",
-                advice="a compiler bug: safe_compile would roll back to eager; keep eager for "
+                f"the compiled code raised {failure.error_type} where eager does not",
+                "a compiler bug: safe_compile would roll back to eager; keep eager for "
                 "this callable and report it upstream with the line shown",
-                lines=lines,
+                lines,
             )
         return verdict(
             "fail",
-            summary=f"compiling failed: {failure.error_type}",
-            advice="safe_compile would serve eager (no gain): fix the line shown, or rerun with "
+            f"compiling failed: {failure.error_type}",
+            "safe_compile would serve eager (no gain): fix the line shown, or rerun with "
             "--backend aot_eager / eager to see which layer fails",
-            lines=lines,
+            lines,
         )
     compiled = [c for c in r.examples if c.path == "compiled"]
     seconds = [c.seconds or 0.0 for c in r.examples]
@@ -82,10 +75,10 @@ def _check_compile(r: Report) -> Check:
     if made == 0:
         return verdict(
             "warn",
-            summary="nothing was captured: dynamo compiled no graph, so every call pays "
+            "nothing was captured: dynamo compiled no graph, so every call pays "
             "its overhead for nothing",
-            advice="drop safe_compile here, or find out why with TORCH_LOGS=graph_breaks",
-            lines=lines,
+            "drop safe_compile here, or find out why with TORCH_LOGS=graph_breaks",
+            lines,
         )
     n = len(r.examples)
     done = f"{n} example{'s' if n > 1 else ''}" if len(compiled) == n else f"{len(compiled)} of {n}"
@@ -93,28 +86,28 @@ def _check_compile(r: Report) -> Check:
     if total > r.thresholds.compile_warn_s:
         return verdict(
             "warn",
-            summary=summary + f" (over {secs(r.thresholds.compile_warn_s)})",
-            advice="compile before serving: warmup=Warmup(inputs=[...], background=True), "
+            summary + f" (over {secs(r.thresholds.compile_warn_s)})",
+            "compile before serving: warmup=Warmup(inputs=[...], background=True), "
             "and keep SAFECOMPILE_CACHE_DIR on a persistent volume",
-            lines=lines,
+            lines,
         )
     return verdict(
         "pass",
-        summary=summary,
-        advice="compile these shapes before traffic: warmup=Warmup(inputs=[...])",
-        lines=lines,
+        summary,
+        "compile these shapes before traffic: warmup=Warmup(inputs=[...])",
+        lines,
     )
 
 
 def _check_graph_breaks(r: Report) -> Check:
-    verdict = _Verdicts("graph_breaks", "graph breaks")
+    verdict = partial(_check, "graph_breaks")
     allowed = r.thresholds.max_graph_breaks
     breaks = r.graph_breaks
     if r.failure is not None and r.graphs == 0:
         return verdict(
             "skip",
-            summary="unknown: the compile failed before any graph was captured",
-            advice="see compile",
+            "unknown: the compile failed before any graph was captured",
+            "see compile",
         )
     lines: list[str] = []
     for b in breaks:
@@ -128,35 +121,35 @@ def _check_graph_breaks(r: Report) -> Check:
     if n == 0:
         return verdict(
             "pass",
-            summary=f"no graph breaks in {graphs(r.graphs)}",
-            advice="keep it so in CI: safecompile.testing.assert_compiles(fn, *args)",
+            f"no graph breaks in {graphs(r.graphs)}",
+            "keep it so in CI: safecompile.testing.assert_compiles(fn, *args)",
         )
     summary = f"{n} graph break{'s' if n > 1 else ''}, {allowed} allowed"
     if n <= allowed:
         return verdict(
             "warn",
-            summary=summary,
-            advice="each break is a trip back to Python and a smaller graph: remove the ones "
+            summary,
+            "each break is a trip back to Python and a smaller graph: remove the ones "
             "shown when you can",
-            lines=lines,
+            lines,
         )
     return verdict(
         "fail",
-        summary=summary,
-        advice="remove each break at the line shown (TORCH_LOGS=graph_breaks explains it), "
+        summary,
+        "remove each break at the line shown (TORCH_LOGS=graph_breaks explains it), "
         "or accept them with --max-graph-breaks N",
-        lines=lines,
+        lines,
     )
 
 
 def _check_recompiles(r: Report) -> Check:
-    verdict = _Verdicts("recompiles", "recompiles")
+    verdict = partial(_check, "recompiles")
     limit = r.thresholds.max_recompiles
     if r.quick or r.failure is not None or not r.sweep:
         why = r.sweep_plan or "no sweep"
         if r.failure is not None and not r.quick:
             why = "skipped: a compile failed"
-        return verdict("skip", summary=why, advice="none")
+        return verdict("skip", why, "none")
     lines = [f"swept {r.sweep_plan}"]
     reused = 0
     for c in r.sweep:
@@ -173,9 +166,9 @@ def _check_recompiles(r: Report) -> Check:
     if not ran:
         return verdict(
             "warn",
-            summary="the sweep's shapes all raise in eager: it guessed the dims wrong",
-            advice="give the shapes to sweep: DoctorTarget(sweep=[...])",
-            lines=lines,
+            "the sweep's shapes all raise in eager: it guessed the dims wrong",
+            "give the shapes to sweep: DoctorTarget(sweep=[...])",
+            lines,
         )
     hit = next((c for c in r.sweep if c.path == "eager"), None)
     dynamic = r.settings.get("dynamic")
@@ -194,10 +187,10 @@ def _check_recompiles(r: Report) -> Check:
             )
         return verdict(
             "fail",
-            summary=f"{r.compiles} compiles reached max_recompiles={limit} at {hit.label}: "
+            f"{r.compiles} compiles reached max_recompiles={limit} at {hit.label}: "
             "new shapes past it run eager",
-            advice=advice,
-            lines=lines,
+            advice,
+            lines,
         )
     summary = (
         f"{len(ran)} swept shape(s): {r.compiles} compile(s) in all ({graphs(r.graphs)}), "
@@ -206,24 +199,24 @@ def _check_recompiles(r: Report) -> Check:
     if r.compiles > limit // 2:
         return verdict(
             "warn",
-            summary=summary + ": over half the limit",
-            advice="real traffic has more shapes than the sweep: bound them with "
+            summary + ": over half the limit",
+            "real traffic has more shapes than the sweep: bound them with "
             "buckets=Buckets(...) or dynamic=True",
-            lines=lines,
+            lines,
         )
     return verdict(
         "pass",
-        summary=summary,
-        advice="nothing; if traffic has other shapes, sweep them: DoctorTarget(sweep=[...])",
-        lines=lines,
+        summary,
+        "nothing; if traffic has other shapes, sweep them: DoctorTarget(sweep=[...])",
+        lines,
     )
 
 
 def _check_speed(r: Report) -> Check:
-    verdict = _Verdicts("speed", "speed")
+    verdict = partial(_check, "speed")
     if r.quick or r.failure is not None or not r.timing:
         why = "skipped (--quick)" if r.quick else "skipped: a compile failed"
-        return verdict("skip", summary=why, advice="none")
+        return verdict("skip", why, "none")
     lines = [
         f"{t.label}: compiled {secs(t.compiled_s)}, eager {secs(t.eager_s)}"
         + (f" -> {t.ratio:.2f}x" if t.ratio is not None else "")
@@ -235,18 +228,18 @@ def _check_speed(r: Report) -> Check:
     if not timed:
         return verdict(
             "skip",
-            summary="the compiled path served no timed example",
-            advice="see recompiles",
-            lines=lines,
+            "the compiled path served no timed example",
+            "see recompiles",
+            lines,
         )
     status, summary, advice = _speed_verdict(
         timed, r.thresholds.slower_ratio, str(r.settings.get("backend"))
     )
     return verdict(
         status,
-        summary=summary,
-        advice=advice,
-        lines=lines,
+        summary,
+        advice,
+        lines,
     )
 
 
@@ -321,13 +314,13 @@ def _inconclusive(t: Timing) -> tuple[Status, str, str]:
 
 
 def _check_drift(r: Report) -> Check:
-    verdict = _Verdicts("drift", "drift")
+    verdict = partial(_check, "drift")
     compared = [c for c in (*r.examples, *r.sweep) if c.path == "compiled"]
     if not compared:
         return verdict(
             "skip",
-            summary="no compiled output to compare",
-            advice="see compile",
+            "no compiled output to compare",
+            "see compile",
         )
     max_abs = max(c.max_abs or 0.0 for c in compared)
     max_rel = max(c.max_rel or 0.0 for c in compared)
@@ -337,29 +330,28 @@ def _check_drift(r: Report) -> Check:
     if r.random_op is not None:
         return verdict(
             "warn",
-            summary=f"not comparable: the graph draws random numbers ({r.random_op}); {figures}",
-            advice="return the model in eval() mode from the factory; safe_compile skips "
+            f"not comparable: the graph draws random numbers ({r.random_op}); {figures}",
+            "return the model in eval() mode from the factory; safe_compile skips "
             "shadow checks on such graphs",
-            lines=lines,
+            lines,
         )
     if r.unchecked and not breached:
         return verdict(
             "warn",
-            summary=f"{figures}; safe_compile cannot shadow-check {len(r.unchecked)} "
+            f"{figures}; safe_compile cannot shadow-check {len(r.unchecked)} "
             "graph(s): its state will read 'unchecked'",
-            advice="keep what the graph updates in the module's buffers and attributes, or "
+            "keep what the graph updates in the module's buffers and attributes, or "
             "in objects passed as arguments; safe_compile copies those for its checks",
             lines=r.unchecked[:5],
         )
     if breached:
         return verdict(
             "fail",
-            summary=f"compiled differs from eager on {len(breached)} of {len(compared)} "
-            f"call(s): {figures}",
-            advice="find the op: rerun with --backend aot_eager (no drift: the backend causes "
+            f"compiled differs from eager on {len(breached)} of {len(compared)} call(s): {figures}",
+            "find the op: rerun with --backend aot_eager (no drift: the backend causes "
             "it); if expected (low precision), set DoctorTarget(rtol=..., atol=...) and "
             "Shadow(rtol=..., atol=...)",
-            lines=lines,
+            lines,
         )
     tolerance = (
         "per-dtype default tolerances"
@@ -368,8 +360,8 @@ def _check_drift(r: Report) -> Check:
     )
     return verdict(
         "pass",
-        summary=f"{figures} over {len(compared)} call(s), within {tolerance}",
-        advice="keep shadow checks on in production: Shadow(canary=8) compares new graphs",
+        f"{figures} over {len(compared)} call(s), within {tolerance}",
+        "keep shadow checks on in production: Shadow(canary=8) compares new graphs",
     )
 
 

@@ -27,6 +27,7 @@ from safecompile.base.model import Event, EventKind, State
 from safecompile.base.policies import Buckets, Rollback
 from safecompile.base.torchcompat import pytree
 from safecompile.checks.compare import compare
+from safecompile.checks.timing import LatencyWindow
 from safecompile.compose import safe_compile
 from safecompile.guard.backend import backend_name, build_compiler, validate_compile_options
 from safecompile.guard.graphs import RecordedGraph, Recorder, outside_effects
@@ -48,7 +49,7 @@ from .report import (
     UsageError,
 )
 from .sweep import sweep_calls, tensors
-from .target import error_at, parse_inputs, user_traceback
+from .target import error_at, parse_inputs, parse_sweep, user_traceback
 
 __all__ = ["diagnose", "versions"]
 
@@ -58,11 +59,6 @@ _MAX_TIMED = 4  # examples timed (the first ones)
 #: Longest silence between the doctor's progress lines while it times (seconds); compiles
 #: say so on their own (:func:`~safecompile.observe.progress.spinner`).
 PROGRESS_EVERY_S = 5.0
-
-
-def _effects() -> tuple[Any, str | None]:
-    """:func:`~safecompile.guard.graphs.outside_effects`, looked up at each graph."""
-    return outside_effects()
 
 
 def _unchecked(graphs: list[RecordedGraph]) -> tuple[str, ...]:
@@ -117,7 +113,7 @@ def diagnose(
     recorder = Recorder(
         build_compiler(plan.backend, mode=plan.mode, options=plan.options, dynamic=plan.dynamic),
         backend_name(plan.backend),
-        effects=_effects,
+        effects=outside_effects,  # this module's name, so a test can replace it
     )
     try:
         guarded: Any = safe_compile(
@@ -252,7 +248,10 @@ def _plan(target: DoctorTarget, settings: Settings) -> _Plan:
     name = target.name or name
 
     backend, mode, options = _compiler_choice(target, settings, inherited)
-    dynamic = _dynamic_choice(target, settings, inherited)
+    if settings.dynamic is not None:
+        dynamic = {"true": True, "false": False, "auto": None}[settings.dynamic]
+    else:
+        dynamic = target.dynamic if target.dynamic is not None else inherited.get("dynamic")
     fullgraph = target.fullgraph or bool(inherited.get("fullgraph"))
     try:
         validate_compile_options(
@@ -262,7 +261,7 @@ def _plan(target: DoctorTarget, settings: Settings) -> _Plan:
         raise UsageError(f"invalid compile option: {exc}") from exc
 
     limit = settings.max_recompiles or target.max_recompiles or DEFAULT_LIMIT
-    sweep = _sweep_examples(target)  # parsed before the inputs: same error first
+    sweep = parse_sweep(target.sweep)  # parsed before the inputs: same error first
     return _Plan(
         call=call,
         kind=kind,
@@ -335,26 +334,6 @@ def _compiler_choice(
     return backend, mode, options
 
 
-def _dynamic_choice(
-    target: DoctorTarget, settings: Settings, inherited: Mapping[str, Any]
-) -> bool | None:
-    """``dynamic``: the command line's, else the target's, else the guarded target's."""
-    if settings.dynamic is not None:
-        return {"true": True, "false": False, "auto": None}[settings.dynamic]
-    dynamic: bool | None = (
-        target.dynamic if target.dynamic is not None else inherited.get("dynamic")
-    )
-    return dynamic
-
-
-def _sweep_examples(target: DoctorTarget) -> tuple[Example, ...] | None:
-    """The target's sweep: ``None`` to guess one, ``()`` for none, else its calls."""
-    if target.sweep is None:
-        return None
-    empty = isinstance(target.sweep, Sequence) and len(target.sweep) == 0
-    return () if empty else parse_inputs(target.sweep, "sweep")
-
-
 class _Session:
     """One guarded callable, its eager twin, and what has gone wrong so far."""
 
@@ -401,53 +380,33 @@ class _Session:
             )
         seconds = time.perf_counter() - started
         new_graphs = self.recorder.graphs[graphs_before:]
-        graphs = len(new_graphs)
-        backend_s = math.fsum(g.compile_s for g in new_graphs)
-        graph_s = tuple(g.compile_s for g in new_graphs)
+        call = Call(
+            label=label,
+            role=role,
+            path="compiled",
+            seconds=seconds,
+            graphs=len(new_graphs),
+            backend_s=math.fsum(g.compile_s for g in new_graphs),
+            graph_s=tuple(g.compile_s for g in new_graphs),
+        )
         events = _since(events_before, self.controller.events())
         after = self.controller.stats()
         failed = _failure_event(events)
         if failed is not None:
             self.failure = self._failure(failed, label)
-            return Call(
-                label=label,
-                role=role,
-                path="failed",
-                seconds=seconds,
-                graphs=graphs,
-                backend_s=backend_s,
-                graph_s=graph_s,
-                note=f"{failed.error_type}: safe_compile answered with eager's result",
-            )
+            note = f"{failed.error_type}: safe_compile answered with eager's result"
+            return dataclasses.replace(call, path="failed", note=note)
         if after.compiled_calls == before.compiled_calls:
             limit = after.recompile_limit_calls > before.recompile_limit_calls or any(
                 e.kind is EventKind.RECOMPILE_LIMIT for e in events
             )
             self.limit_hit = self.limit_hit or limit
-            return Call(
-                label=label,
-                role=role,
-                path="eager",
-                seconds=seconds,
-                graphs=graphs,
-                backend_s=backend_s,
-                graph_s=graph_s,
-                note="past the recompile limit: runs eager" if limit else "ran eager",
-            )
+            note = "past the recompile limit: runs eager" if limit else "ran eager"
+            return dataclasses.replace(call, path="eager", note=note)
         args, kwargs = _cloned(example)
-        expected = self.eager(*args, **kwargs)
-        result = compare(out, expected, rtol=self.plan.rtol, atol=self.plan.atol)
-        return Call(
-            label=label,
-            role=role,
-            path="compiled",
-            seconds=seconds,
-            graphs=graphs,
-            backend_s=backend_s,
-            graph_s=graph_s,
-            max_abs=result.max_abs,
-            max_rel=result.max_rel,
-            drift=result.reason,
+        result = compare(out, self.eager(*args, **kwargs), rtol=self.plan.rtol, atol=self.plan.atol)
+        return dataclasses.replace(
+            call, max_abs=result.max_abs, max_rel=result.max_rel, drift=result.reason
         )
 
     def time(self, example: Example, label: str, repeat: int) -> Timing:
@@ -465,52 +424,40 @@ class _Session:
         eager()
         one = max(self._clock(eager, 1), self._clock(compiled, 1))
         inner = max(1, min(_MAX_INNER, int(_SAMPLE_S / max(one, 1e-9))))
-        c_times: list[float] = []
-        e_times: list[float] = []
+        c_times, e_times = LatencyWindow(repeat), LatencyWindow(repeat)
+        paths = ((compiled, c_times), (eager, e_times))
         said = time.perf_counter()
         for i in range(repeat):
             if time.perf_counter() - said >= PROGRESS_EVERY_S:  # a slow call is never silent
                 said = time.perf_counter()
                 self.say(f"timing {label}: {i} of {repeat} samples")
-            if i % 2:
-                e_times.append(self._clock(eager, inner))
-                c_times.append(self._clock(compiled, inner))
-            else:
-                c_times.append(self._clock(compiled, inner))
-                e_times.append(self._clock(eager, inner))
+            for fn, times in paths[::-1] if i % 2 else paths:  # each path goes first in turn
+                times.record(self._clock(fn, inner))
         served = self.controller.stats().compiled_calls - before
         calls = repeat * inner + 2
-        eager_s = statistics.median(e_times)
-        if served == 0:
-            return Timing(
-                label=label,
-                eager_s=eager_s,
-                compiled_s=None,
-                ratio=None,
-                samples=repeat,
-                calls_per_sample=inner,
-                note="the compiled path did not serve this shape (it ran eager)",
-                eager_p99_s=_p99(e_times),
-            )
         # Each pair was timed back to back: the median of the pairs' ratios holds up when
         # the machine's load changes during the run; their spread says how much it did.
-        ratios = [c / e for c, e in zip(c_times, e_times, strict=True) if e > 0]
+        pairs = zip(c_times.samples(), e_times.samples(), strict=True)
+        ratios = [c / e for c, e in pairs if e > 0] if served else []
         ratio = statistics.median(ratios) if ratios else None
         spread = q1 = q3 = None
         if ratio and len(ratios) >= 4:
             q1, _, q3 = statistics.quantiles(ratios, n=4)
             spread = (q3 - q1) / ratio
+        compiled_p = c_times.percentiles() if served else {}
+        eager_p = e_times.percentiles()
+        note = None if served == calls else f"{calls - served} of {calls} calls ran eager"
         return Timing(
             label=label,
-            eager_s=eager_s,
-            compiled_s=statistics.median(c_times),
+            eager_s=eager_p["p50"],
+            compiled_s=compiled_p.get("p50"),
             ratio=ratio,
             samples=repeat,
             calls_per_sample=inner,
             spread=spread,
-            note=None if served == calls else f"{calls - served} of {calls} calls ran eager",
-            eager_p99_s=_p99(e_times),
-            compiled_p99_s=_p99(c_times),
+            note=note if served else "the compiled path did not serve this shape (it ran eager)",
+            eager_p99_s=eager_p["p99"],
+            compiled_p99_s=compiled_p.get("p99"),
             ratio_low=q1,
             ratio_high=q3,
         )
@@ -606,13 +553,6 @@ def versions(device: torch.device | None = None) -> dict[str, str]:
         "platform": platform.platform(terse=True),
         "device": where,
     }
-
-
-def _p99(samples: Sequence[float]) -> float:
-    """The 99th percentile of timing samples (linear between ranks; the largest when few)."""
-    if len(samples) < 2:
-        return samples[0]
-    return statistics.quantiles(samples, n=100, method="inclusive")[98]
 
 
 def with_source(entry: Mapping[str, object]) -> dict[str, object]:

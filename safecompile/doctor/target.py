@@ -23,7 +23,7 @@ from safecompile.observe.source import is_user_file
 from .formats import kind, where
 from .report import DoctorTarget, Example, UsageError
 
-__all__ = ["error_at", "load_target", "parse_inputs", "to_target", "user_traceback"]
+__all__ = ["error_at", "load_target", "parse_inputs", "parse_sweep", "to_target", "user_traceback"]
 
 
 def to_target(value: object, factory: str = "FACTORY") -> DoctorTarget:
@@ -48,10 +48,7 @@ def to_target(value: object, factory: str = "FACTORY") -> DoctorTarget:
             f"{factory}(): fn must be a function or an nn.Module, got {kind(target.fn)}"
         )
     parse_inputs(target.inputs, f"{factory}(): inputs")  # refuse bad inputs now
-    if target.sweep is not None and not (
-        isinstance(target.sweep, Sequence) and len(target.sweep) == 0
-    ):
-        parse_inputs(target.sweep, f"{factory}(): sweep")
+    parse_sweep(target.sweep, f"{factory}(): sweep")
     return target
 
 
@@ -67,6 +64,15 @@ def parse_inputs(value: object, what: str = "inputs") -> tuple[Example, ...]:
         f"{what} must be a list of calls (each a tuple of arguments, a dict of keyword "
         f"arguments or a tensor) or one call's tuple of arguments, got {kind(value)}"
     )
+
+
+def parse_sweep(value: object, what: str = "sweep") -> tuple[Example, ...] | None:
+    """A target's ``sweep``: ``None`` to guess one, ``()`` for none, else its calls."""
+    if value is None:
+        return None
+    if isinstance(value, Sequence) and len(value) == 0:
+        return ()
+    return parse_inputs(value, what)
 
 
 def _one(value: object, what: str) -> Example:
@@ -113,7 +119,7 @@ def load_target(spec: str) -> DoctorTarget:
     try:
         value = factory()
     except (Exception, SystemExit) as exc:
-        raise UsageError(f"{attr}() raised {error_at(exc)}", detail=user_traceback(exc)) from exc
+        raise _user_error(f"{attr}() raised ", exc) from exc
     return to_target(value, attr)
 
 
@@ -125,19 +131,14 @@ def _import(name: str) -> types.ModuleType:
         sys.path.insert(0, cwd)  # what `python -m` does; a console script does not
     try:
         return importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name is not None and (name == exc.name or name.startswith(exc.name + ".")):
+    except (Exception, SystemExit) as exc:
+        missing = exc.name if isinstance(exc, ModuleNotFoundError) else None
+        if missing is not None and (name == missing or name.startswith(missing + ".")):
             raise UsageError(
-                f"cannot import {name!r}: no module named {exc.name!r} here (run from the folder "
+                f"cannot import {name!r}: no module named {missing!r} here (run from the folder "
                 "that holds it, or give a file: path/to/file.py:FACTORY)"
             ) from None
-        raise UsageError(
-            f"cannot import {name!r}: {error_at(exc)}", detail=user_traceback(exc)
-        ) from exc
-    except (Exception, SystemExit) as exc:
-        raise UsageError(
-            f"cannot import {name!r}: {error_at(exc)}", detail=user_traceback(exc)
-        ) from exc
+        raise _user_error(f"cannot import {name!r}: ", exc) from exc
 
 
 def _import_file(name: str) -> types.ModuleType:
@@ -164,9 +165,7 @@ def _import_file(name: str) -> types.ModuleType:
         spec.loader.exec_module(module)
     except (Exception, SystemExit) as exc:
         del sys.modules[modname]
-        raise UsageError(
-            f"cannot import {name}: {error_at(exc)}", detail=user_traceback(exc)
-        ) from exc
+        raise _user_error(f"cannot import {name}: ", exc) from exc
     return module
 
 
@@ -180,6 +179,10 @@ def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
     while tb is not None and not is_user_file(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
     return tb
+
+
+def _user_error(prefix: str, exc: BaseException) -> UsageError:
+    return UsageError(prefix + error_at(exc), detail=user_traceback(exc))
 
 
 def user_traceback(exc: BaseException) -> str:
