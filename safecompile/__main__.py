@@ -44,7 +44,7 @@ arguments."""
 def _number(
     convert: Callable[[str], _N], ok: Callable[[_N], bool], rule: str
 ) -> Callable[[str], _N]:
-    """An argparse ``type``: the flag's text converted, refused unless ``ok`` (``rule`` says why)."""
+    """An argparse ``type``: the text converted, refused unless ``ok`` (``rule`` says why)."""
 
     def parse(text: str) -> _N:
         try:
