@@ -126,7 +126,8 @@ def split_variants(
     iso = bare_compile(
         own_code(fn, "isolated"), backend, isolate_recompiles=True, recompile_limit=18
     )
-    inner = guarded.safecompile._gate.compiled  # internal: the compiled function the guard calls
+    # internal: the compiled function the guard calls
+    inner = guarded.safecompile._engine.gate.compiled
     for _ in range(3):
         iso(x)
     return {ISOLATED: lambda: iso(x), WRAPPED: lambda: inner(x)}

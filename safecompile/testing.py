@@ -339,7 +339,7 @@ def drain_shadow_checks(timeout: float = 30.0) -> None:
 def _unwrap(fn: Callable[..., Any]) -> Callable[..., Any]:
     controller = getattr(fn, "safecompile", None)
     if controller is not None:
-        return controller._fn  # type: ignore[no-any-return]
+        return controller._engine.fn  # type: ignore[no-any-return]
     return fn
 
 

@@ -75,7 +75,7 @@ def test_ended_threads_fold_their_counts() -> None:
         t.join()
     stats = g.safecompile.stats()
     assert stats.calls == 21 == stats.compiled_calls + stats.eager_calls
-    assert len(g.safecompile._slots._all) <= 2
+    assert len(g.safecompile._engine.slots._all) <= 2
 
 
 def test_background_inductor_warmup_closes_the_symbolic_trace_window() -> None:

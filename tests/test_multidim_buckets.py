@@ -305,7 +305,7 @@ def test_recompile_limit_grows_to_the_product() -> None:
     with pytest.raises(ConfigError, match=r"below the number of bucket sizes \(42"):
         safe_compile(Encoder(), backend="eager", buckets=big, rollback=Rollback(max_recompiles=16))
     g = safe_compile(Encoder(), backend="eager", buckets=big)
-    assert g.safecompile._rollback_policy.max_recompiles >= 42
+    assert g.safecompile._engine.opts.rollback.max_recompiles >= 42
 
 
 # ---------------------------------------------------------------- validation

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from safecompile import EventKind, Shadow, State, Warmup, safe_compile
-from safecompile.guard import controller as controller_module
+from safecompile.guard import engine as engine_module
 from safecompile.guard import graphs as graphs_module
 from safecompile.testing import DriftingBackend, RecordingBackend
 
@@ -175,7 +175,7 @@ def test_an_object_that_cannot_be_found_is_unchecked_with_one_event_naming_it(
     def lost(record: Any) -> tuple[list[Any], str | None]:
         return [], "L['cache'].layers[0]"
 
-    monkeypatch.setattr(controller_module, "find_effects", lost)
+    monkeypatch.setattr(engine_module, "find_effects", lost)
     monkeypatch.setattr(graphs_module, "find_effects", lost)
     guarded = safe_compile(decode, backend="eager", shadow=Shadow(canary=3, every=1))
     cache = Cache()

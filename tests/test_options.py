@@ -168,7 +168,7 @@ def test_a_rollback_without_a_limit_is_fitted_to_the_buckets() -> None:
     for rollback in (Rollback(), Rollback(retry_after=5)):
         guarded = safe_compile(total, backend="eager", buckets=buckets, rollback=rollback)
         assert guarded.safecompile.report()["bucketing"] is not None
-        assert guarded.safecompile._rollback_policy.max_recompiles == 11
-        assert guarded.safecompile._rollback_policy.retry_after == rollback.retry_after
+        assert guarded.safecompile._engine.opts.rollback.max_recompiles == 11
+        assert guarded.safecompile._engine.opts.rollback.retry_after == rollback.retry_after
     with pytest.raises(ConfigError, match="below the number of bucket sizes"):
         safe_compile(total, backend="eager", buckets=buckets, rollback=Rollback(max_recompiles=8))

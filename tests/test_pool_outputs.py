@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from safecompile import Shadow, State, Warmup, safe_compile
-from safecompile.guard import controller as controller_module
+from safecompile.guard import engine as engine_module
 from safecompile.guard import shadow as shadow_module
 from safecompile.shapes.buckets import uses_cudagraphs
 from safecompile.testing import (
@@ -151,7 +151,7 @@ def steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def cudagraph_guard(monkeypatch: pytest.MonkeyPatch, on: bool, **options: Any) -> Any:
     """A guarded Linear whose compile options count as CUDA graphs (or not), compiled on
     CPU with aot_eager."""
-    monkeypatch.setattr(controller_module, "uses_cudagraphs", lambda *a, **k: on)
+    monkeypatch.setattr(engine_module, "uses_cudagraphs", lambda *a, **k: on)
     options.setdefault("shadow", Shadow(canary=2, every=0))
     return safe_compile(Linear(), backend="aot_eager", **options)
 
@@ -184,7 +184,7 @@ def test_a_check_answered_by_eager_under_cudagraphs_starts_a_new_step(
     monkeypatch: pytest.MonkeyPatch, steps: list[int]
 ) -> None:
     """A breach returns eager's result: the compiled forward's outputs are dropped."""
-    monkeypatch.setattr(controller_module, "uses_cudagraphs", lambda *a, **k: True)
+    monkeypatch.setattr(engine_module, "uses_cudagraphs", lambda *a, **k: True)
     guarded = safe_compile(
         Linear(), backend=DriftingBackend(scale=1.05), shadow=Shadow(canary=2, every=0)
     )
@@ -226,7 +226,7 @@ def test_in_place_writes_a_replay_hides_are_found_by_value_under_cudagraphs(
     """Under CUDA graphs a copied input is compared by value too: the replay's write is
     found, put back, and eager applies it once. Without cudagraph options the version
     counters are trusted (and this imitation fools them: the write is applied twice)."""
-    monkeypatch.setattr(controller_module, "uses_cudagraphs", lambda *a, **k: cudagraphs)
+    monkeypatch.setattr(engine_module, "uses_cudagraphs", lambda *a, **k: cudagraphs)
     guarded = safe_compile(accumulate, backend=HiddenWrites(), shadow=Shadow(canary=3, every=1))
     total = torch.zeros(4)
     x = torch.ones(4)

@@ -382,7 +382,7 @@ def test_different_calls_at_one_safe_point_end_the_agreement() -> None:
 def test_group_none_adds_nothing() -> None:
     """No group: no agreement object, trips apply at once, ``sync()`` is a no-op."""
     guarded = safe_compile(lambda x: x + 1, backend=RuntimeFailingBackend())
-    assert guarded.safecompile._ranks is None
+    assert guarded.safecompile._engine.trips.ranks is None
     assert torch.equal(guarded(torch.ones(2)), torch.full((2,), 2.0))
     assert guarded.safecompile.sync() == "rolled_back"
     assert guarded.safecompile.report()["ranks"] is None
@@ -414,7 +414,7 @@ def test_an_agreed_recovery_restarts_the_speed_verdict_and_the_canary(clock: Fak
         )
         c = guarded.safecompile
         peers = {1: _OK}
-        c._trips.ranks = _Peers(0, peers)  # a simulated peer, agreed with at each sync()
+        c._engine.trips.ranks = _Peers(0, peers)  # a simulated peer, agreed with at each sync()
         x = torch.randn(4)
         for _ in range(400):  # 2x slower: eager wins, the slower trip is held
             torch.testing.assert_close(guarded(x), affine(x), rtol=0, atol=0)

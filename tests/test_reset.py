@@ -32,7 +32,7 @@ def _held() -> Counter[str]:
 
 def _codes_of(guarded: Any) -> list[Any]:
     """The code objects torch cached this callable's graphs on (its backend saw them)."""
-    return list(guarded.safecompile._backend._codes)
+    return list(guarded.safecompile._engine.backend._codes)
 
 
 def _entries(*codes: Any) -> int:

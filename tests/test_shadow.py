@@ -231,7 +231,8 @@ def test_async_never_blocks_and_full_queue_skips() -> None:
         return affine(x)
 
     g = safe_compile(affine, backend="eager", shadow=Shadow(mode="async", every=1, queue_size=2))
-    g.safecompile._shadow.fn = blocking_eager  # the worker's eager run blocks until the gate opens
+    # the worker's eager run blocks until the gate opens
+    g.safecompile._engine.shadow.fn = blocking_eager
     x = torch.randn(4)
     for _ in range(10):
         torch.testing.assert_close(g(x), affine(x))

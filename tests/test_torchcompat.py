@@ -13,7 +13,7 @@ from structlog.testing import capture_logs
 from safecompile import Shadow, State, safe_compile
 from safecompile.base import torchcompat
 from safecompile.guard import backend as guard_backend
-from safecompile.guard import controller as controller_module
+from safecompile.guard import engine as engine_module
 from safecompile.observe.log import (
     LINE_LIMIT,
     Once,
@@ -301,7 +301,7 @@ def test_caching_precompile_is_warned_once(monkeypatch: pytest.MonkeyPatch) -> N
         return True if dotted == "torch._dynamo.config.caching_precompile" else real_lookup(dotted)
 
     monkeypatch.setattr(torchcompat, "lookup", lookup)
-    monkeypatch.setattr(controller_module, "_precompile_said", Once())
+    monkeypatch.setattr(engine_module, "_precompile_said", Once())
     with capture_logs() as logs:
         for name in ("pc.first", "pc.second"):
             g = safe_compile(lambda x: x * 2, backend="eager", name=name, shadow=None)

@@ -3,27 +3,36 @@ modules guarded in place, and the guarded callable it returns."""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import functools
 import inspect
+import os
+import threading
+import time
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
+from safecompile.base import torchcompat
 from safecompile.base.errors import ConfigError
 from safecompile.base.options import Options
 from safecompile.base.policies import Buckets, Warmup
+from safecompile.observe.log import torch_missing
 from safecompile.observe.source import without_our_frames
 from safecompile.observe.telemetry import Telemetry
 from safecompile.persist.remote import activate as activate_remote_cache
 from safecompile.shapes.buckets import Bucketer, Strategy, resolve_strategy
 
 from .backend import build_compiler, validate_compile_options
-from .controller import Controller, Sink
-from .paths import entrypoint, start_background, warm_call
+from .controller import Controller
+from .engine import Engine
+from .paths import entrypoint
 from .peers import Fleet, Peers
+from .shadow import Sink
 
 __all__ = ["Guarded", "decorate"]
 
@@ -41,7 +50,7 @@ class Guarded(Protocol):
 
 
 def _make_guarded(controller: Controller, wrapped: Callable[..., Any]) -> Guarded:
-    guarded = entrypoint(controller)
+    guarded = entrypoint(controller._engine)
     functools.update_wrapper(guarded, wrapped)
     guarded.safecompile = controller  # type: ignore[attr-defined]
     return guarded  # type: ignore[return-value]
@@ -57,7 +66,7 @@ class _ModuleForward:
     __slots__ = ("__wrapped__", "_call", "safecompile")
 
     def __init__(self, controller: Controller, forward: Callable[..., Any]) -> None:
-        self._call = entrypoint(controller)
+        self._call = entrypoint(controller._engine)
         self.safecompile = controller
         self.__wrapped__ = forward
 
@@ -68,12 +77,12 @@ class _ModuleForward:
             raise without_our_frames(exc)  # noqa: B904 - eager's error, kept unchained
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
-        module = self.safecompile._module
+        module = self.safecompile._engine.module
         assert module is not None
         return _plain_forward(memo.get(id(module), module))
 
     def __reduce__(self) -> tuple[Any, ...]:
-        module = self.safecompile._module
+        module = self.safecompile._engine.module
         assert module is not None
         return (_plain_forward, (module,))
 
@@ -223,7 +232,7 @@ def _controller(
         opts.backend, mode=opts.mode, options=opts.options, dynamic=opts.dynamic
     )
     bucketer = Bucketer(opts.buckets, fn, strategy=strategy) if opts.buckets is not None else None
-    return Controller(
+    engine = Engine(
         name=name,
         fn=fn,
         opts=opts,
@@ -231,9 +240,9 @@ def _controller(
         sink=sink,
         module=module,
         bucketer=bucketer,
-        warm_call=warm_call,
         peers=_peers(name, opts, fleet),
     )
+    return Controller(engine)
 
 
 def _peers(name: str, opts: Options, fleet: Fleet) -> Peers | None:
@@ -257,6 +266,80 @@ def _start_warmup(controller: Controller, warmup: Warmup | None) -> None:
                 controller.warmup(*example)
 
     if warmup.background:
-        start_background(controller, run, nice=warmup.nice)
+        _start_background(controller._engine, run, nice=warmup.nice)
     else:
         run()
+
+
+def _start_background(e: Engine, run: Callable[[], None], *, nice: int | None = 19) -> None:
+    """Run a warmup on a worker thread while eager serves (see ``Warmup(background=)``).
+
+    The worker lowers its own priority to ``nice`` first (``None`` or 0: unchanged), so
+    live calls keep the CPU; only that thread, and the processes it starts, are affected.
+
+    inductor traces one helper module with ``torch.fx.symbolic_trace`` the first time it
+    lowers a graph, which patches ``nn.Module.__call__`` for the whole process while it
+    runs: an eager call on another thread in that window can fail. That one-time trace
+    is done here, before any live call can overlap it.
+    """
+    if e.opts.backend_label == "inductor":
+        _close_symbolic_trace_window()
+    e.background_warmup(pending=True)
+
+    def work() -> None:
+        try:
+            if nice:
+                lower_priority(nice)
+            run()
+        except Exception as exc:
+            e.note_warmup_error(exc)
+        finally:
+            e.background_warmup(pending=False)
+
+    worker = threading.Thread(target=work, name=f"safecompile-warmup:{e.name}", daemon=True)
+    _WORKERS.add(worker)
+    worker.start()
+
+
+#: Seconds the interpreter's exit waits, in all, for warmup threads still running.
+EXIT_WAIT_S = 10.0
+_WORKERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+@atexit.register
+def _join_workers(timeout: float = EXIT_WAIT_S) -> None:
+    """At exit, give running warmup threads up to ``timeout`` seconds to end.
+
+    A daemon thread still inside torch when the interpreter finalises is ended by an
+    unwind that torch's C++ frames turn into ``std::terminate`` (the process aborts with
+    "terminate called without an active exception"), even one that has just finished
+    its work. A warmup still compiling past the bound is left to that fate.
+    """
+    deadline = time.monotonic() + timeout
+    for worker in list(_WORKERS):
+        worker.join(max(0.0, deadline - time.monotonic()))
+
+
+def lower_priority(nice: int) -> bool:
+    """Raise the calling thread's niceness to ``nice`` (Linux: per thread); ``False``
+    where the platform cannot. An unprivileged thread cannot lower it back, so callers
+    run it on a thread of their own."""
+    setpriority = getattr(os, "setpriority", None)
+    native_id = getattr(threading, "get_native_id", None)
+    if setpriority is None or native_id is None:  # pragma: no cover - not POSIX
+        return False
+    try:
+        current = os.getpriority(os.PRIO_PROCESS, native_id())
+        setpriority(os.PRIO_PROCESS, native_id(), max(current, nice))
+    except OSError:  # pragma: no cover - a sandbox that forbids it
+        return False
+    return True
+
+
+def _close_symbolic_trace_window() -> None:
+    try:
+        closed = torchcompat.close_symbolic_trace_window()
+    except Exception:  # pragma: no cover - another torch: nothing to close
+        return
+    if closed is not None:
+        torch_missing(closed)

@@ -33,9 +33,10 @@ from safecompile.base.policies import FOREVER, Shadow
 from safecompile.observe.log import torch_missing
 from safecompile.observe.source import graph_breaks_of
 
-from .slots import Slot
+from .slots import CallState, Slot
 
 __all__ = [
+    "Call",
     "CallSlot",
     "Effect",
     "GraphHooks",
@@ -129,6 +130,8 @@ class GraphRecord:
 
 CallSlot = Slot[GraphRecord]
 """A thread's call slot, holding this module's graph records."""
+Call = CallState[GraphRecord]
+"""One call down the slow path (:mod:`safecompile.guard.paths`)."""
 
 
 class GraphTable:
@@ -189,6 +192,13 @@ class GraphTable:
         record.checks += 1
         record.set_countdown(self.countdown(record))
 
+    def clear(self) -> None:
+        """Forget every graph (``reset()``): ids start again from 1."""
+        with self._lock:
+            self._records.clear()
+            self._per_code.clear()
+            self._ids = itertools.count(1)
+
     def never_check(self, record: GraphRecord, why: str) -> None:
         record.unchecked = why
         record.canary_left = 0
@@ -210,34 +220,21 @@ class GraphTable:
             return len(self._records)
 
 
+@dataclass(frozen=True, slots=True)
 class GraphHooks:
-    """What the backend needs from the controller (kept small, so both stay readable)."""
+    """What the backend needs from the engine (kept small, so both stay readable)."""
 
-    def __init__(
-        self,
-        *,
-        table: GraphTable,
-        slots_local: Any,
-        limit: int,
-        on_compile_start: Callable[[], object],
-        on_compile_end: Callable[[], None],
-        on_graph: Callable[[GraphRecord, torch.fx.GraphModule], None],
-        snapshot: Callable[[tuple[Any, ...], GraphRecord], Any],
-        bucket_label: Callable[[], str | None],
-        clock: Callable[[], float],
-        announce: Callable[[str, float], Callable[[], None]] | None = None,
-    ) -> None:
-        self.table = table
-        self.local = slots_local
-        self.limit = limit
-        self.on_compile_start = on_compile_start
-        self.on_compile_end = on_compile_end
-        self.on_graph = on_graph
-        self.snapshot = snapshot
-        self.bucket_label = bucket_label
-        self.clock = clock
-        # (graph inputs as text, perf_counter at start) -> what to call when it ends
-        self.announce = announce
+    table: GraphTable
+    local: Any  # the callable's thread-locals, where each thread's slot lives
+    limit: int  # graphs compiled per code object at most (the recompile limit)
+    on_compile_start: Callable[[], object]
+    on_compile_end: Callable[[], None]
+    on_graph: Callable[[GraphRecord, torch.fx.GraphModule], None]
+    snapshot: Callable[[tuple[Any, ...], GraphRecord], Any]
+    bucket_label: Callable[[], str | None]
+    clock: Callable[[], float]
+    # (graph inputs as text, perf_counter at start) -> what to call when it ends
+    announce: Callable[[str, float], Callable[[], None]] | None = None
 
 
 class GuardBackend:
@@ -251,12 +248,11 @@ class GuardBackend:
         self._codes: weakref.WeakSet[types.CodeType] = weakref.WeakSet()
         self.__name__ = f"safecompile[{label}]"
 
-    def restart(self, hooks: GraphHooks) -> list[types.CodeType]:
-        """Start again with fresh hooks (a new graph table: ``reset()``) and forget every
-        graph made; returns the code objects they were made for, whose cache entries
-        the caller drops (``torch._dynamo.reset_code``). The same backend and compiled
-        function serve on, so nothing torch keeps per ``torch.compile`` piles up."""
-        self._hooks = hooks
+    def restart(self) -> list[types.CodeType]:
+        """Forget every graph made (``reset()``); returns the code objects they were made
+        for, whose cache entries the caller drops (``torch._dynamo.reset_code``). The
+        same backend and compiled function serve on, so nothing torch keeps per
+        ``torch.compile`` piles up."""
         self._made.clear()
         codes = list(self._codes)
         self._codes.clear()

@@ -4,7 +4,8 @@ The hot path is one frame: re-read the kill switch only when the environment's v
 object changed, then — when the gate is open — call the compiled function and look at
 the calling thread's slot, where the graph wrappers noted which graph served the call
 and whether a check is due. Nothing due: count the call in the thread's own slot and
-return. Everything else is a slow path:
+return. Everything else is a slow path, handed the :class:`~.engine.Engine` and one
+:class:`~.slots.CallState` record for the call:
 
 - :func:`finish`: a check was due, a graph ran eagerly (recompile limit), or no graph
   ran at all;
@@ -16,16 +17,13 @@ return. Everything else is a slow path:
 
 from __future__ import annotations
 
-import atexit
 import collections
 import contextlib
 import logging
-import os
 import sys
 import threading
 import time
 import types
-import weakref
 from collections.abc import Callable, Hashable
 from typing import Any
 
@@ -38,7 +36,7 @@ from safecompile.base.model import Event, EventKind, Reason
 from safecompile.checks.compare import compare
 from safecompile.checks.snapshot import Snapshot
 from safecompile.checks.speed import Step
-from safecompile.observe.log import Once, torch_missing
+from safecompile.observe.log import Once
 from safecompile.observe.source import (
     exception_chain,
     location_fields,
@@ -46,11 +44,11 @@ from safecompile.observe.source import (
     truncate,
     without_our_frames,
 )
-from safecompile.shapes.buckets import BucketError, Plan
+from safecompile.shapes.buckets import BucketError
 from safecompile.shapes.table import BucketEntry, BucketStatus, unmark
 
-from .controller import Controller
-from .graphs import CallSlot, GraphRecord
+from .engine import Engine
+from .graphs import Call, CallSlot, GraphRecord
 from .shadow import sync_device
 
 __all__ = ["call_slow", "entrypoint", "finish", "recover", "warm_call"]
@@ -60,6 +58,14 @@ _COMPILE_ERRORS: tuple[type[BaseException], ...] = torchcompat.compile_errors()
 
 
 _NONE: Any = None  # typed Any: the call below changes what the slot holds
+
+
+class _Held(threading.local):
+    """One thread's held log records (see :class:`_MetaLogHold`)."""
+
+    def __init__(self) -> None:
+        self.records: collections.deque[logging.LogRecord] = collections.deque(maxlen=16)
+        self.replaying = False
 
 
 class _MetaLogHold(logging.Filter):
@@ -73,35 +79,30 @@ class _MetaLogHold(logging.Filter):
 
     def __init__(self) -> None:
         super().__init__()
-        self.local = threading.local()
+        self.held = _Held()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if getattr(self.local, "replaying", False) or not _in_guarded_call():
+        if self.held.replaying or not _in_guarded_call():
             return True
-        held: collections.deque[logging.LogRecord] | None = getattr(self.local, "held", None)
-        if held is None:
-            held = self.local.held = collections.deque(maxlen=16)
-        held.append(record)
+        self.held.records.append(record)
         return False
 
     def drop(self) -> None:
-        held = getattr(self.local, "held", None)
-        if held:
-            held.clear()
+        self.held.records.clear()
 
     def replay(self) -> None:
-        held = getattr(self.local, "held", None)
-        if not held:
+        held = self.held
+        if not held.records:
             return
-        records = list(held)
-        held.clear()
+        records = list(held.records)
+        held.records.clear()
         logger = logging.getLogger(self.LOGGER)
-        self.local.replaying = True
+        held.replaying = True
         try:
             for record in records:
                 logger.handle(record)
         finally:
-            self.local.replaying = False
+            held.replaying = False
 
 
 def _in_guarded_call() -> bool:
@@ -119,25 +120,23 @@ _META_LOG = _MetaLogHold()
 logging.getLogger(_MetaLogHold.LOGGER).addFilter(_META_LOG)
 
 
-def entrypoint(c: Controller) -> Callable[..., Any]:
+def entrypoint(e: Engine) -> Callable[..., Any]:
     """The guarded function (see the module doc). With a process group, every call is
-    counted for the ranks' safe points (:mod:`._ranks`); without one, nothing is added."""
-    if c._ranks is not None:
-        return c._ranks.counting(_entrypoint(c), c._safe_point)
-    return _entrypoint(c)
+    counted for the ranks' safe points; without one, nothing is added."""
+    guarded = _bucketed_entrypoint(e) if e.buckets is not None else _entrypoint(e)
+    ranks = e.trips.ranks
+    return ranks.counting(guarded, e.trips.safe_point) if ranks is not None else guarded
 
 
-def _entrypoint(c: Controller) -> Callable[..., Any]:
-    if c._buckets is not None:
-        return _bucketed_entrypoint(c)
-    gate = c._gate
-    fn = c._fn
-    local = c._slots.local
-    new_slot = c._slots.get
+def _entrypoint(e: Engine) -> Callable[..., Any]:
+    gate = e.gate
+    fn = e.fn
+    local = e.slots.local
+    new_slot = e.slots.get
     env_get, env_key = _env_reader()
     switch = ks.SWITCH
-    refresh = c._refresh_switch
-    ticked = _ticker(c)
+    refresh = e.refresh_switch
+    ticked = _ticker(e)
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
         try:  # an error escaping is eager's: raised from the user's line, not ours
@@ -160,32 +159,33 @@ def _entrypoint(c: Controller) -> Callable[..., Any]:
                         slot.compiled = n = slot.compiled + 1
                         # the speed verdict counts calls in batches: told at the slot's mark
                         return out if n < slot.mark else ticked(slot, out)
-                    return finish(c, slot, out, args, kwargs)
-                return recover(c, failure, args, kwargs)  # outside except: eager's unchained
+                    return finish(e, Call(args, kwargs, slot), out)
+                # outside except: eager's error unchained
+                return recover(e, Call(args, kwargs, slot), failure)
             if gate.disabled:  # the kill switch: eager, in this frame
                 try:
                     return fn(*args, **kwargs)
                 finally:
                     new_slot().eager += 1
-            return call_slow(c, args, kwargs)
+            return call_slow(e, args, kwargs)
         except Exception as exc:
             raise without_our_frames(exc)  # noqa: B904 - the user's error, kept unchained
 
     return guarded
 
 
-def _bucketed_entrypoint(c: Controller) -> Callable[..., Any]:
+def _bucketed_entrypoint(e: Engine) -> Callable[..., Any]:
     """The hot path with buckets: plan, pad, call, cut back (see :func:`entrypoint`)."""
-    assert c._buckets is not None
-    gate = c._gate
-    fn = c._fn
-    local = c._slots.local
-    new_slot = c._slots.get
+    assert e.buckets is not None
+    gate = e.gate
+    fn = e.fn
+    local = e.slots.local
+    new_slot = e.slots.get
     env_get, env_key = _env_reader()
     switch = ks.SWITCH
-    refresh = c._refresh_switch
-    ticked = _ticker(c)
-    bucketer, entries, pads = c._buckets.bucketer, c._buckets.entries, c._buckets.pads
+    refresh = e.refresh_switch
+    ticked = _ticker(e)
+    bucketer, entries, pads = e.buckets.bucketer, e.buckets.entries, e.buckets.pads
     plan_of, pad, unpad = bucketer.plan, bucketer.pad, bucketer.unpad
     ready = BucketStatus.READY
 
@@ -224,23 +224,24 @@ def _bucketed_entrypoint(c: Controller) -> Callable[..., Any]:
                                 slot.compiled = n = slot.compiled + 1
                                 # the speed verdict counts calls in batches: told at the slot's mark
                                 return out if n < slot.mark else ticked(slot, out)
-                            return finish(c, slot, out, args, kwargs)
-                        return recover(c, failure, args, kwargs, plan=plan, entry=entry)
+                            return finish(e, Call(args, kwargs, slot, plan=plan, entry=entry), out)
+                        call = Call(args, kwargs, slot, plan=plan, entry=entry)
+                        return recover(e, call, failure)
             elif gate.disabled:  # the kill switch: eager, in this frame
                 try:
                     return fn(*args, **kwargs)
                 finally:
                     new_slot().eager += 1
-            return call_slow(c, args, kwargs)
+            return call_slow(e, args, kwargs)
         except Exception as exc:
             raise without_our_frames(exc)  # noqa: B904 - the user's error, kept unchained
 
     return guarded
 
 
-def _ticker(c: Controller) -> Callable[[CallSlot, Any], Any]:
+def _ticker(e: Engine) -> Callable[[CallSlot, Any], Any]:
     """The hot path's call at a slot's mark: tell the speed verdict, return ``out``."""
-    tick = c._speed_tick
+    tick = e.speed_tick
 
     def ticked(slot: CallSlot, out: Any) -> Any:
         tick(slot)
@@ -260,24 +261,17 @@ def _env_reader() -> tuple[Callable[[object], object], object]:
 # ---------------------------------------------------------------- after the compiled call
 
 
-def finish(
-    c: Controller,
-    slot: CallSlot,
-    out: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    warmup: bool = False,
-) -> Any:
+def finish(e: Engine, call: Call, out: Any) -> Any:
     """The compiled call returned, and something needs more than counting."""
+    slot = call.slot
     first, due, snapshot, new = slot.first, slot.due, slot.snapshot, slot.new
     if slot.timer >= 0.0:
-        _timed_compiled(c, slot, out, first, new)
+        _timed_compiled(e, slot, out, first, new)
     slot.end()
     if first is None or not first.compiled:
         # No compiled graph served: dynamo ran the frame eagerly, or the graph is past
         # the recompile limit and its traced code ran eagerly.
-        if not warmup:
+        if not call.warmup:
             slot.eager += 1
             if first is not None:
                 slot.limited += 1
@@ -287,182 +281,148 @@ def finish(
             first.prep = True  # a later graph is due: capture the state at the first
         else:
             first.prep = False
-            answer = _check(c, slot, due, snapshot, out, args, kwargs, new=new, warmup=warmup)
+            answer = _check(e, call, due, snapshot, out, new=new)
             if answer is not None:
                 return answer[0]
-    if not warmup:
-        _count_compiled(c, slot)
+    if not call.warmup:
+        slot.compiled += 1
+        if slot.compiled >= slot.mark:
+            e.speed_tick(slot)
     return out
 
 
 def _check(
-    c: Controller,
-    slot: CallSlot,
-    due: list[GraphRecord],
-    snapshot: Snapshot,
-    out: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    new: object,
-    warmup: bool,
+    e: Engine, call: Call, due: list[GraphRecord], snapshot: Snapshot, out: Any, *, new: object
 ) -> tuple[Any] | None:
     """Shadow-check a compiled call; ``(eager's result,)`` when eager answers it."""
     compiled_s = None
     if new is None:  # a call that compiled is not a timing
         sync_device(out)  # on CUDA: the work done, not its launch
-        compiled_s = c._clock() - slot.started
-    verdict = c._shadow.check(c._table, due, snapshot, args, kwargs, out, compiled_s=compiled_s)
+        compiled_s = e.clock() - call.slot.started
+    verdict = e.shadow.check(
+        e.table, due, snapshot, call.args, call.kwargs, out, compiled_s=compiled_s
+    )
     if not verdict.use_eager and verdict.breach is None:
         return None
-    discarded(c)  # the compiled outputs go unused
+    discarded(e)  # the compiled outputs go unused
     if verdict.breach is not None:
-        c._trip(
+        e.trip(
             Reason.DRIFT,
             message=verdict.breach,
             graph=verdict.graph,
             max_abs=verdict.max_abs,
             max_rel=verdict.max_rel,
         )
-    if not warmup:
-        slot.eager += 1
+    call.count_eager()
     return (verdict.eager_out,)
 
 
-def _count_compiled(c: Controller, slot: CallSlot) -> None:
-    slot.compiled += 1
-    if slot.compiled >= slot.mark:
-        c._speed_tick(slot)
-
-
 def _timed_compiled(
-    c: Controller, slot: CallSlot, out: Any, first: GraphRecord | None, new: object
+    e: Engine, slot: CallSlot, out: Any, first: GraphRecord | None, new: object
 ) -> None:
     """A timed compiled call returned: its time goes to the speed verdict, unless no
     compiled graph served it or it compiled a graph (then it is not a live call's time)."""
     sync_device(out)
-    elapsed = c._clock() - slot.timer
+    elapsed = e.clock() - slot.timer
     slot.timer = -1.0
-    if first is None or not first.compiled or new is not None:
-        c._speed_done(Step.TIME_COMPILED, None)
-    else:
-        c._speed_done(Step.TIME_COMPILED, elapsed)
+    served = first is not None and first.compiled and new is None
+    e.speed_done(Step.TIME_COMPILED, elapsed if served else None)
 
 
-def recover(
-    c: Controller,
-    failure: Exception,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    plan: Plan | None = None,
-    entry: BucketEntry | None = None,
-    warmup: bool = False,
-) -> Any:
+def recover(e: Engine, call: Call, failure: Exception) -> Any:
     """The compiled path raised: answer with eager's result, or eager's own error."""
-    slot = c._slots.get()
-    slot.end()
-    if entry is not None and _bucket_fault(c, failure, entry):
-        return eager(c, args, kwargs, warmup=warmup)
+    call.slot.end()
+    if call.entry is not None and _bucket_fault(e, failure, call.entry):
+        return eager(e, call)
     user_error: Exception | None = None
     out: Any = None
     try:
-        out = c._fn(*args, **kwargs)
+        out = e.fn(*call.args, **call.kwargs)
     except Exception as exc:
         user_error = exc
-    if not warmup:
-        slot.eager += 1
+    call.count_eager()
     if user_error is not None:
         del failure  # eager raises too: the user's own error, not the compiler's
         _META_LOG.drop()  # torch's log of it while tracing is noise: eager's error says it
         raise user_error
     _META_LOG.replay()
-    if isinstance(failure, _COMPILE_ERRORS) and c._failures.cache_fault(failure):
-        return out  # the shared cache's fault: the next call compiles without it
-    if isinstance(failure, _COMPILE_ERRORS):
-        c._compile_failed(failure, args, kwargs)
-        c._trip(Reason.COMPILE_ERROR, error=failure, bucket=entry.label if entry else None)
-    else:
-        c._trip(Reason.RUNTIME_ERROR, error=failure, bucket=entry.label if entry else None)
+    if not isinstance(failure, _COMPILE_ERRORS):
+        e.trip(Reason.RUNTIME_ERROR, error=failure, bucket=call.bucket)
+    elif not e.failures.cache_fault(failure):  # else the next call compiles without it
+        e.compile_failed(failure, call)
+        e.trip(Reason.COMPILE_ERROR, error=failure, bucket=call.bucket)
     return out
 
 
-def _bucket_fault(c: Controller, failure: Exception, entry: BucketEntry) -> bool:
+def _bucket_fault(e: Engine, failure: Exception, entry: BucketEntry) -> bool:
     """Whether the failure is the bucket's own (padding, cutting back, a dynamic range
     torch cannot keep): then only that bucket is rejected."""
     if isinstance(failure, BucketError):
-        reject_bucket(c, entry, f"padding or cutting back failed: {failure}")
+        reject_bucket(e, entry, f"padding or cutting back failed: {failure}")
         return True
-    assert c._buckets is not None
+    assert e.buckets is not None
     # A range's first compile failing while other graphs compiled fine is the range's
     # fault; with nothing compiled yet it is the compiler's: trip, as without buckets.
     first_range_compile = (
-        not c._buckets.pads
-        and entry.status is BucketStatus.NEW
-        and any(g.compiled for g in c._table)
+        not e.buckets.pads and entry.status is BucketStatus.NEW and any(g.compiled for g in e.table)
     )
-    if _constraint_violation(failure) or (
+    chain = exception_chain(failure, inner=True, limit=8)
+    if any("ConstraintViolation" in type(seen).__name__ for seen in chain) or (
         first_range_compile and isinstance(failure, _COMPILE_ERRORS)
     ):
         reject_bucket(
-            c, entry, f"its range cannot be compiled as one dynamic graph: {safe_message(failure)}"
+            e, entry, f"its range cannot be compiled as one dynamic graph: {safe_message(failure)}"
         )
         return True
     return False
 
 
-def _constraint_violation(error: BaseException) -> bool:
-    chain = exception_chain(error, inner=True, limit=8)
-    return any("ConstraintViolation" in type(seen).__name__ for seen in chain)
-
-
-def eager(c: Controller, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmup: bool) -> Any:
+def eager(e: Engine, call: Call) -> Any:
     """Run eager and count it (a warmup call runs nothing: its result is discarded)."""
-    if warmup:
+    if call.warmup:
         return None
-    slot = c._slots.get()
     try:
-        return c._fn(*args, **kwargs)
+        return e.fn(*call.args, **call.kwargs)
     finally:
-        slot.eager += 1
+        call.slot.eager += 1
 
 
 # ---------------------------------------------------------------- the gate is closed
 
 
 def call_slow(
-    c: Controller, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmup: bool = False
+    e: Engine, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmup: bool = False
 ) -> Any:
     """Every call the hot path does not take (see the module doc)."""
-    admitted = _admit(c, args, kwargs, warmup=warmup)
+    call = Call(args, kwargs, e.slots.get(), warmup=warmup)
+    admitted = _admit(e, call)
     if admitted is None:
-        return eager(c, args, kwargs, warmup=warmup)
+        return eager(e, call)
     trial = admitted == "trial"
-    slot = c._slots.get()
-    before = slot.compiled
+    before = call.slot.compiled
     try:
-        if len(c._table) > 0:
-            return _call_compiled(c, slot, args, kwargs, force=trial or warmup, warmup=warmup)
+        if len(e.table) > 0:
+            return _call_compiled(e, call, force=trial or warmup)
         # Nothing compiled yet: own the first compile, so other threads serve eager
         # instead of compiling the same graph again (torch does not de-duplicate).
-        with c._compiles.claim(exclusive=True) as mine:
+        with e.compiles.claim(exclusive=True) as mine:
             if not mine and not warmup:
-                return eager(c, args, kwargs, warmup=warmup)
-            return _call_compiled(c, slot, args, kwargs, force=trial or warmup, warmup=warmup)
+                return eager(e, call)
+            return _call_compiled(e, call, force=trial or warmup)
     finally:
         if trial:
-            c._trips.end_trial(served=slot.compiled > before)
+            e.trips.end_trial(served=call.slot.compiled > before)
 
 
-def warm_call(c: Controller, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def warm_call(e: Engine, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """One warmup call (:meth:`Controller.warmup`): the slow path, checked, not counted."""
     try:
-        return call_slow(c, args, kwargs, warmup=True)
+        return call_slow(e, args, kwargs, warmup=True)
     finally:
-        discarded(c)  # its outputs are dropped: their backward never runs
+        discarded(e)  # its outputs are dropped: their backward never runs
 
 
-def discarded(c: Controller) -> None:
+def discarded(e: Engine) -> None:
     """A compiled call's outputs go unused (a warmup call, a check answered by eager).
 
     Under CUDA graphs, a forward whose outputs carry gradients leaves a backward pending;
@@ -471,143 +431,124 @@ def discarded(c: Controller) -> None:
     fast path. ``torch.compiler.cudagraph_mark_step_begin()`` starts the new iteration.
     Only under CUDA graphs, and only with gradients on (inference starts one per call).
     """
-    if c._cudagraphs and torch.is_grad_enabled():
+    if e.cudagraphs and torch.is_grad_enabled():
         with contextlib.suppress(Exception):  # never breaks a call
             mark_step: Callable[[], None] = torch.compiler.cudagraph_mark_step_begin
             mark_step()
 
 
-def _admit(
-    c: Controller, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmup: bool
-) -> str | None:
+def _admit(e: Engine, call: Call) -> str | None:
     """Whether this call may try the compiled path: ``"trial"`` (the half-open trial),
     ``"compiled"``, or ``None`` (eager serves it)."""
-    if c._gate.disabled:
+    if e.gate.disabled:
         return None
-    if c._trips.tripped:
-        return "trial" if not warmup and c._trips.claim_trial() else None
-    if not warmup and (
-        (c._rollout < 1.0 and not c._pick_compiled())
-        or c._warming_up
-        or c._compiles.busy_elsewhere()  # a compile is in flight elsewhere: eager meanwhile
+    if e.trips.tripped:
+        return "trial" if not call.warmup and e.trips.claim_trial() else None
+    if not call.warmup and (
+        (e.opts.rollout < 1.0 and not e.pick_compiled())
+        or e.warming_up
+        or e.compiles.busy_elsewhere()  # a compile is in flight elsewhere: eager meanwhile
     ):
         return None
-    known = c._failures.known(args, kwargs) if c._failures.active else None
+    known = e.failures.known(call.args, call.kwargs) if e.failures.active else None
     if known is not None:
-        c._trip(Reason.COMPILE_ERROR, message=known)
+        e.trip(Reason.COMPILE_ERROR, message=known)
         return None
-    if len(c._table) == 0 and c._persisted.active:
-        c._persisted.load_artifacts(args, kwargs)  # once: torch's artifacts, if needed
+    if len(e.table) == 0 and e.persisted.active:
+        e.persisted.load_artifacts(call.args, call.kwargs)  # once: torch's artifacts
     return "compiled"
 
 
-def _call_compiled(
-    c: Controller,
-    slot: CallSlot,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    force: bool,
-    warmup: bool,
-) -> Any:
+def _call_compiled(e: Engine, call: Call, *, force: bool) -> Any:
     """Call the compiled function from the slow path (buckets planned here)."""
-    planned = _plan_bucket(c, args, kwargs, warmup=warmup)
-    if planned is None:
-        return eager(c, args, kwargs, warmup=warmup)
-    plan, entry = planned
+    if not _plan_bucket(e, call):
+        return eager(e, call)
+    slot = call.slot
     step = Step.UNTIMED
-    if c._speed is not None and not (force or warmup):
-        step = _plan_speed(c, slot, args, kwargs, plan, entry)
+    if e.speed is not None and not (force or call.warmup):
+        step = _plan_speed(e, call)
         if step is Step.TIME_EAGER:
-            return _probe(c, slot, args, kwargs)
+            return _probe(e, call)
     slot.begin()
     slot.force = force
-    c._slots.local.bucket = entry.label if entry is not None else None
+    slot.call = call
     if step is Step.TIME_COMPILED:
-        sync_device((args, kwargs))
-        slot.timer = c._clock()
+        sync_device((call.args, call.kwargs))
+        slot.timer = e.clock()
     try:
-        if plan is not None and entry is not None:
-            return _call_bucket(c, slot, plan, entry, args, kwargs, warmup=warmup)
+        if call.plan is not None:
+            return _call_bucket(e, call)
         try:
-            out = c._gate.compiled(*args, **kwargs)
+            out = e.gate.compiled(*call.args, **call.kwargs)
         except Exception as exc:
             failure: Exception = exc
         else:
-            return finish(c, slot, out, args, kwargs, warmup=warmup)
-        return recover(c, failure, args, kwargs, warmup=warmup)
+            return finish(e, call, out)
+        return recover(e, call, failure)
     finally:
         slot.force = False
-        c._slots.local.bucket = None
+        slot.call = None
         if slot.timer >= 0.0:  # a timed call that did not reach finish(): not a time
             slot.timer = -1.0
-            c._speed_done(Step.TIME_COMPILED, None)
+            e.speed_done(Step.TIME_COMPILED, None)
 
 
-def _plan_bucket(
-    c: Controller, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmup: bool
-) -> tuple[Plan | None, BucketEntry | None] | None:
-    """The call's bucket and its entry (``(None, None)``: not bucketed), or ``None`` when
-    eager serves the call (oversize, or a rejected bucket)."""
-    if c._buckets is None:
-        return None, None
-    plan = c._buckets.bucketer.plan(args, kwargs)
+def _plan_bucket(e: Engine, call: Call) -> bool:
+    """Plan the call's bucket into ``call`` (none: not bucketed); ``False`` when eager
+    serves the call (oversize, or a rejected bucket)."""
+    if e.buckets is None:
+        return True
+    bucketer = e.buckets.bucketer
+    plan = bucketer.plan(call.args, call.kwargs)
     if plan is not None and plan.status == "oversize":
-        if c._buckets.bucketer.policy.oversize == "eager":
-            return None
-        return None, None  # compile the shape as it is
+        return bucketer.policy.oversize != "eager"  # or compile the shape as it is
     if plan is None or plan.status != "bucketed":
         if plan is not None:  # a dim past the argument's rank
-            _check_bucket_dims(c, args, kwargs, warmup=warmup)
-        return None, None  # unbucketable: run it unpadded
-    entry = c._buckets.entry(plan)
-    if not entry.looked_up:  # what an earlier process learnt (_restart)
-        c._persisted.restore(entry, args, kwargs)
-    if entry.status is BucketStatus.REJECTED:
-        return None
-    return plan, entry
+            _check_bucket_dims(e, call)
+        return True  # unbucketable: run it unpadded
+    entry = e.buckets.entry(plan)
+    if not entry.looked_up:  # what an earlier process learnt (persist.restart)
+        e.persisted.restore(entry, call.args, call.kwargs)
+    call.plan, call.entry = plan, entry
+    return entry.status is not BucketStatus.REJECTED
 
 
-def _plan_speed(
-    c: Controller,
-    slot: CallSlot,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    plan: Plan | None,
-    entry: BucketEntry | None,
-) -> Step:
+def _plan_speed(e: Engine, call: Call) -> Step:
     """Whether the speed verdict times this call, and on which arm (see
     :mod:`safecompile.checks.speed`). A bucket still verifying its padding is not timed."""
-    speed = c._speed
+    speed = e.speed
     assert speed is not None
-    c._speed_tick(slot)
+    e.speed_tick(call.slot)
     if not speed.wants:
         return Step.UNTIMED
-    bucket: str | None = None
-    if plan is not None and entry is not None:
-        if entry.status is not BucketStatus.READY or (
-            entry.cuts is None and c._buckets is not None and c._buckets.pads and plan.padded
-        ):
-            return Step.UNTIMED
-        bucket = entry.label
-    return speed.plan(call_key(args, kwargs, bucket, c._module))
+    plan, entry = call.plan, call.entry
+    pads = e.buckets is not None and e.buckets.pads
+    if (
+        plan is not None
+        and entry is not None
+        and (
+            entry.status is not BucketStatus.READY or (entry.cuts is None and pads and plan.padded)
+        )
+    ):
+        return Step.UNTIMED
+    return speed.plan(call_key(call.args, call.kwargs, call.bucket, e.module))
 
 
-def _probe(c: Controller, slot: CallSlot, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _probe(e: Engine, call: Call) -> Any:
     """The eager arm of a pair: the original function on the caller's own arguments
     (its values, side effects and gradients are the caller's), timed."""
-    sync_device((args, kwargs))
-    started = c._clock()
+    sync_device((call.args, call.kwargs))
+    started = e.clock()
     try:
-        out = c._fn(*args, **kwargs)
+        out = e.fn(*call.args, **call.kwargs)
         sync_device(out)
     except BaseException:
-        slot.eager += 1
-        c._speed_done(Step.TIME_EAGER, None)
+        call.slot.eager += 1
+        e.speed_done(Step.TIME_EAGER, None)
         raise  # eager's own error: the caller gets it, as eager would raise it
-    elapsed = c._clock() - started
-    slot.eager += 1
-    c._speed_done(Step.TIME_EAGER, elapsed)
+    elapsed = e.clock() - started
+    call.slot.eager += 1
+    e.speed_done(Step.TIME_EAGER, elapsed)
     return out
 
 
@@ -636,71 +577,57 @@ def call_key(
     return tuple(parts)
 
 
-def _call_bucket(
-    c: Controller,
-    slot: CallSlot,
-    plan: Plan,
-    entry: BucketEntry,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    warmup: bool,
-) -> Any:
-    assert c._buckets is not None
-    bucketer = c._buckets.bucketer
-    padded = c._buckets.pads and plan.padded
+def _call_bucket(e: Engine, call: Call) -> Any:
+    plan, entry, buckets = call.plan, call.entry, e.buckets
+    assert plan is not None
+    assert entry is not None
+    assert buckets is not None
+    bucketer = buckets.bucketer
+    padded = buckets.pads and plan.padded
     marked: list[tuple[torch.Tensor, dict[str, Any]]] = []
-    if not c._buckets.pads and entry.status is BucketStatus.NEW:
-        marked = c._buckets.mark_range(plan, args, kwargs)
+    if not buckets.pads and entry.status is BucketStatus.NEW:
+        marked = buckets.mark_range(plan, call.args, call.kwargs)
     failure: Exception | None = None
     try:
-        call_args, call_kwargs = bucketer.pad(plan, args, kwargs) if padded else (args, kwargs)
-        out = c._gate.compiled(*call_args, **call_kwargs)
+        args, kwargs = (
+            bucketer.pad(plan, call.args, call.kwargs) if padded else (call.args, call.kwargs)
+        )
+        out = e.gate.compiled(*args, **kwargs)
     except Exception as exc:
         failure = exc
     finally:
         unmark(marked)
     if failure is not None:
-        return recover(c, failure, args, kwargs, plan=plan, entry=entry, warmup=warmup)
-    if (
-        padded
-        and entry.cuts is None
-        and not c._persisted.reuse(c._buckets.bucketer, plan, entry, out)
-    ):
-        return _verify_bucket(c, slot, plan, entry, out, args, kwargs, warmup=warmup)
+        return recover(e, call, failure)
+    if padded and entry.cuts is None and not e.persisted.reuse(bucketer, plan, entry, out):
+        return _verify_bucket(e, call, out)
     if padded:
         try:
             out = bucketer.unpad(plan, out, entry.cuts)
         except BucketError as exc:
-            reject_bucket(c, entry, f"outputs could not be cut back: {exc}")
-            slot.end()
-            return eager(c, args, kwargs, warmup=warmup)
-    if not padded:  # nothing padded in this key (or a dynamic range): nothing to verify
+            reject_bucket(e, entry, f"outputs could not be cut back: {exc}")
+            call.slot.end()
+            return eager(e, call)
+    else:  # nothing padded in this key (or a dynamic range): nothing to verify
         entry.status = BucketStatus.READY
-    if not warmup:
+    if not call.warmup:
         entry.count(plan, padded=padded)
-    return finish(c, slot, out, args, kwargs, warmup=warmup)
+    return finish(e, call, out)
 
 
-def _verify_bucket(
-    c: Controller,
-    slot: CallSlot,
-    plan: Plan,
-    entry: BucketEntry,
-    padded_out: Any,
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    *,
-    warmup: bool,
-) -> Any:
+def _verify_bucket(e: Engine, call: Call, padded_out: Any) -> Any:
     """A bucket's first padded call: learn its output cut and verify its padding against
     unpadded eager — on the caller's own tensors, so eager's result can be returned
     with its gradients. Runs with shadow checks on or off."""
-    assert c._buckets is not None
-    bucketer = c._buckets.bucketer
+    plan, entry, buckets = call.plan, call.entry, e.buckets
+    assert plan is not None
+    assert entry is not None
+    assert buckets is not None
+    bucketer = buckets.bucketer
+    slot = call.slot
     due, first = slot.due, slot.first
     slot.end()
-    eager_out = c._fn(*args, **kwargs)
+    eager_out = e.fn(*call.args, **call.kwargs)
     try:
         if bucketer.policy.outputs is not None:
             cuts = bucketer.declared_cuts(plan, padded_out)
@@ -708,37 +635,32 @@ def _verify_bucket(
             cuts = bucketer.learn_cuts(plan, padded_out, eager_out)
         out = bucketer.unpad(plan, padded_out, cuts)
     except (BucketError, ValueError) as exc:
-        reject_bucket(c, entry, f"outputs cannot be cut back: {exc}")
-        return _served_eager(slot, eager_out, warmup=warmup)
-    rtol, atol = c._shadow.tolerances()
+        reject_bucket(e, entry, f"outputs cannot be cut back: {exc}")
+        return _served_eager(call, eager_out)
+    rtol, atol = e.shadow.tolerances()
     result = compare(out, eager_out, rtol=rtol, atol=atol)
-    c._shadow.note(first, entry.label, result)
+    e.shadow.note(first, entry.label, result)
     for graph in due or ():
-        c._table.checked(graph)
+        e.table.checked(graph)
     if result.ok:
         if not cuts.ambiguous:  # else right for this call only: a later call learns again
             entry.cuts = cuts
             entry.status = BucketStatus.READY
-            c._persisted.keep_verified(entry, cuts, c.name)
-        if not warmup:
+            e.persisted.keep_verified(entry, cuts, e.name)
+        if not call.warmup:
             entry.count(plan, padded=True)
             slot.compiled += 1
         return out
     # Padding's fault, or the compiler's? Eager on the padded inputs tells.
     with torch.no_grad():
-        padded_args, padded_kwargs = bucketer.pad(plan, args, kwargs)
-        padded_eager = bucketer.unpad(plan, c._fn(*padded_args, **padded_kwargs), cuts)
+        padded_args, padded_kwargs = bucketer.pad(plan, call.args, call.kwargs)
+        padded_eager = bucketer.unpad(plan, e.fn(*padded_args, **padded_kwargs), cuts)
     padding = compare(padded_eager, eager_out, rtol=rtol, atol=atol)
     if not padding.ok:
-        reject_bucket(
-            c,
-            entry,
-            f"padding changed the result: {padding.reason}",
-            max_abs=padding.max_abs,
-            max_rel=padding.max_rel,
-        )
+        why = f"padding changed the result: {padding.reason}"
+        reject_bucket(e, entry, why, max_abs=padding.max_abs, max_rel=padding.max_rel)
     else:
-        c._trip(
+        e.trip(
             Reason.DRIFT,
             message=result.reason or "outputs differ",
             bucket=entry.label,
@@ -746,18 +668,18 @@ def _verify_bucket(
             max_abs=result.max_abs,
             max_rel=result.max_rel,
         )
-    return _served_eager(slot, eager_out, warmup=warmup)
+    return _served_eager(call, eager_out)
 
 
-def _served_eager(slot: CallSlot, out: Any, *, warmup: bool) -> Any:
-    if warmup:
+def _served_eager(call: Call, out: Any) -> Any:
+    if call.warmup:
         return None
-    slot.eager += 1
+    call.slot.eager += 1
     return out
 
 
 def reject_bucket(
-    c: Controller,
+    e: Engine,
     entry: BucketEntry,
     why: str,
     *,
@@ -765,13 +687,13 @@ def reject_bucket(
     max_rel: float | None = None,
 ) -> None:
     """Stop using a bucket: its calls run eager from now on (the callable stays up)."""
-    with c._lock:
+    with e.lock:
         if entry.status is BucketStatus.REJECTED:
             return
         entry.status = BucketStatus.REJECTED
         entry.why = truncate(why, 300)
-    c._persisted.keep_rejected(entry, truncate(why, 300), c.name)
-    c._record(
+    e.persisted.keep_rejected(entry, truncate(why, 300), e.name)
+    e.record(
         Event(
             kind=EventKind.BUCKET_REJECTED,
             reason=Reason.DRIFT,
@@ -780,7 +702,7 @@ def reject_bucket(
             message=truncate(f"bucket not used: {why}"),
             max_abs_diff=max_abs,
             max_rel_diff=max_rel,
-            **location_fields(c._location),
+            **location_fields(e.location),
         )
     )
 
@@ -788,95 +710,19 @@ def reject_bucket(
 _dims_said = Once()
 
 
-def _check_bucket_dims(
-    c: Controller, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmup: bool
-) -> None:
+def _check_bucket_dims(e: Engine, call: Call) -> None:
     """A bucketed dim past its argument's rank is the user's configuration mistake: a
     warmup raises its ``ConfigError``; a live call is served unpadded (eager would not
     raise) with one warning per callable and message."""
-    assert c._buckets is not None
+    assert e.buckets is not None
     try:
-        c._buckets.bucketer.check_dims(args, kwargs)
+        e.buckets.bucketer.check_dims(call.args, call.kwargs)
     except ConfigError as error:
-        if warmup:
+        if call.warmup:
             raise
         _dims_said.warn(
-            (c.name, str(error)),
+            (e.name, str(error)),
             "safecompile.bucket_dims_wrong",
-            function=c.name,
+            function=e.name,
             description=truncate(f"{error}; calls with this shape run unpadded"),
         )
-
-
-def start_background(c: Controller, run: Callable[[], None], *, nice: int | None = 19) -> None:
-    """Run a warmup on a worker thread while eager serves (see ``Warmup(background=)``).
-
-    The worker lowers its own priority to ``nice`` first (``None`` or 0: unchanged), so
-    live calls keep the CPU; only that thread, and the processes it starts, are affected.
-
-    inductor traces one helper module with ``torch.fx.symbolic_trace`` the first time it
-    lowers a graph, which patches ``nn.Module.__call__`` for the whole process while it
-    runs: an eager call on another thread in that window can fail. That one-time trace
-    is done here, before any live call can overlap it.
-    """
-    if c._opts.backend_label == "inductor":
-        _close_symbolic_trace_window()
-    c._background_warmup(pending=True)
-
-    def work() -> None:
-        try:
-            if nice:
-                lower_priority(nice)
-            run()
-        except Exception as exc:
-            c._note_warmup_error(exc)
-        finally:
-            c._background_warmup(pending=False)
-
-    worker = threading.Thread(target=work, name=f"safecompile-warmup:{c.name}", daemon=True)
-    _WORKERS.add(worker)
-    worker.start()
-
-
-#: Seconds the interpreter's exit waits, in all, for warmup threads still running.
-EXIT_WAIT_S = 10.0
-_WORKERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
-
-
-@atexit.register
-def _join_workers(timeout: float = EXIT_WAIT_S) -> None:
-    """At exit, give running warmup threads up to ``timeout`` seconds to end.
-
-    A daemon thread still inside torch when the interpreter finalises is ended by an
-    unwind that torch's C++ frames turn into ``std::terminate`` (the process aborts with
-    "terminate called without an active exception"), even one that has just finished
-    its work. A warmup still compiling past the bound is left to that fate.
-    """
-    deadline = time.monotonic() + timeout
-    for worker in list(_WORKERS):
-        worker.join(max(0.0, deadline - time.monotonic()))
-
-
-def lower_priority(nice: int) -> bool:
-    """Raise the calling thread's niceness to ``nice`` (Linux: per thread); ``False``
-    where the platform cannot. An unprivileged thread cannot lower it back, so callers
-    run it on a thread of their own."""
-    setpriority = getattr(os, "setpriority", None)
-    native_id = getattr(threading, "get_native_id", None)
-    if setpriority is None or native_id is None:  # pragma: no cover - not POSIX
-        return False
-    try:
-        current = os.getpriority(os.PRIO_PROCESS, native_id())
-        setpriority(os.PRIO_PROCESS, native_id(), max(current, nice))
-    except OSError:  # pragma: no cover - a sandbox that forbids it
-        return False
-    return True
-
-
-def _close_symbolic_trace_window() -> None:
-    try:
-        closed = torchcompat.close_symbolic_trace_window()
-    except Exception:  # pragma: no cover - another torch: nothing to close
-        return
-    if closed is not None:
-        torch_missing(closed)

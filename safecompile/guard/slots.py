@@ -1,21 +1,24 @@
-"""Per-thread call slots: what one call saw, and lock-free call counters.
+"""Per-thread call slots with lock-free counters, and the record of one slow call.
 
-Every thread that calls a guarded callable gets one :class:`Slot` (a thread-local).
-The hot path writes into its own slot only, so counting a call takes no lock; the
-graph wrappers (:mod:`safecompile.guard.graphs`) note there which graph served the call and
-whether a check is due. :meth:`Slots.totals` sums the slots of every thread, living or
-dead, for ``stats()``.
+Every thread that calls a guarded callable gets one :class:`Slot` (a thread-local): the
+hot path counts in its own slot, without a lock, and the graph wrappers
+(:mod:`safecompile.guard.graphs`) note there which graph served the call and whether a
+check is due. A call that takes the slow path is one :class:`CallState`, handed along
+that path (:mod:`safecompile.guard.paths`).
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 if TYPE_CHECKING:
     from safecompile.checks.snapshot import Snapshot
+    from safecompile.shapes.buckets import Plan
+    from safecompile.shapes.table import BucketEntry
 
-__all__ = ["Slot", "Slots"]
+__all__ = ["CallState", "Slot", "Slots"]
 
 G = TypeVar("G")  # the graph record (:class:`safecompile.guard.graphs.GraphRecord`)
 
@@ -24,6 +27,7 @@ class Slot(Generic[G]):
     """One thread's view of its current call, and its counters."""
 
     __slots__ = (
+        "call",
         "compiled",
         "due",
         "eager",
@@ -48,6 +52,7 @@ class Slot(Generic[G]):
         self.snapshot: Snapshot | None = None  # state before the first graph ran
         self.new: list[G] | None = None  # graphs compiled during this call
         self.started = 0.0  # clock when the first graph of a checked call started
+        self.call: CallState[G] | None = None  # the slow call in progress, if any
         # The speed verdict (safecompile.checks.speed): the hot path reports to it when
         # ``compiled`` reaches ``mark``; ``seen`` is what it was told so far; ``timer``
         # is the clock at the start of a timed compiled call (-1.0: not timed).
@@ -65,6 +70,30 @@ class Slot(Generic[G]):
         self.due = None
         self.snapshot = None
         self.new = None
+
+
+@dataclass(slots=True, eq=False)
+class CallState(Generic[G]):
+    """One call down the slow path: its arguments, its thread's slot, and its bucket.
+
+    A warmup call (:meth:`Controller.warmup`) is checked like any other but not counted,
+    and its result is discarded.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    slot: Slot[G]
+    warmup: bool = False
+    plan: Plan | None = None  # its bucket's plan (``None``: not bucketed)
+    entry: BucketEntry | None = None  # what is known of that bucket
+
+    @property
+    def bucket(self) -> str | None:
+        return self.entry.label if self.entry is not None else None
+
+    def count_eager(self) -> None:
+        if not self.warmup:
+            self.slot.eager += 1
 
 
 class Slots(Generic[G]):
@@ -87,12 +116,15 @@ class Slots(Generic[G]):
                 self._all.append((threading.current_thread(), slot))
         return slot
 
-    def totals(self) -> tuple[int, int, int]:
-        """``(compiled, eager, limited)`` calls over every thread.
+    def bucket(self) -> str | None:
+        """The bucket of this thread's slow call in progress (``None``: none)."""
+        slot: Slot[G] | None = getattr(self.local, "slot", None)
+        call = slot.call if slot is not None else None
+        return call.bucket if call is not None else None
 
-        The slots of threads that have ended are folded into one, so a server that
-        starts a thread per request does not grow the list.
-        """
+    def totals(self) -> tuple[int, int, int]:
+        """``(compiled, eager, limited)`` calls over every thread; the slots of threads
+        that have ended fold into one, so a thread per request does not grow the list."""
         with self._lock:
             living = []
             gone = self._gone

@@ -1,0 +1,596 @@
+"""The engine of one guarded callable: the parts its calls need, and how they react.
+
+The call paths (:mod:`.paths`) take an :class:`Engine`, never the controller: the graph
+table (:mod:`.graphs`), the trips (:mod:`.trips`), compiles in flight
+(:mod:`.compiles`), shadow checks (:mod:`.shadow`), the per-thread slots
+(:mod:`.slots`), the buckets, the speed verdict, the options, the clock and the events
+sink. :class:`~.controller.Controller` is the public face over it.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from safecompile.base import killswitch as ks
+from safecompile.base import torchcompat
+from safecompile.base.model import Event, EventKind, Reason
+from safecompile.base.options import CompilerFn, Options
+from safecompile.base.policies import FOREVER
+from safecompile.checks.snapshot import Snapshot
+from safecompile.checks.speed import CallSpeed, Decision, SpeedPolicy, Step
+from safecompile.observe.explain import Explanation, explain
+from safecompile.observe.log import Once, log_event
+from safecompile.observe.progress import Compiling, watch_compile
+from safecompile.observe.source import (
+    SourceLocation,
+    dedupe_graph_breaks,
+    error_type_name,
+    location_fields,
+    location_of_error,
+    location_of_function,
+    safe_message,
+    truncate,
+)
+from safecompile.persist.restart import Persisted
+from safecompile.shapes.buckets import Bucketer, uses_cudagraphs
+from safecompile.shapes.table import BucketTable
+
+from .backend import compile_function, own_frame
+from .compiles import CompileTracker, KnownFailures
+from .graphs import (
+    Call,
+    CallSlot,
+    GraphHooks,
+    GraphRecord,
+    GraphTable,
+    GuardBackend,
+    find_effects,
+    time_tracing,
+    trace_started,
+)
+from .peers import Peers
+from .shadow import ShadowRunner, Sink
+from .slots import Slots
+from .trips import TripHooks, Trips
+
+__all__ = ["Engine", "Gate"]
+
+_MAX_EVENTS = 256
+_TICK = 1024  # at most this many calls of a thread between reports to the speed verdict
+
+
+class Gate:
+    """The one prepared value the hot path reads (see :mod:`.paths`)."""
+
+    __slots__ = ("compiled", "disabled", "fast", "generation", "token")
+
+    def __init__(self) -> None:
+        self.token: object = object()  # the kill switch's environment value last read
+        self.generation = -1  # and its code switch's generation
+        self.disabled = False
+        self.fast = False  # compiled may serve without the slow path
+        self.compiled: Callable[..., Any] = _unset
+
+
+def _unset(*args: Any, **kwargs: Any) -> Any:  # pragma: no cover - replaced at once
+    raise RuntimeError("safecompile: the compiled function is not built yet")
+
+
+_precompile_said = Once()
+
+
+def _warn_if_precompile(name: str) -> None:
+    """``TORCH_CACHING_PRECOMPILE=1`` installs cached graphs without calling any backend:
+    the guard never sees them. Say so once per process."""
+    # checked: 2.13.0 (``torch._dynamo.config.caching_precompile``; absent in 2.9.1: None)
+    if torchcompat.lookup("torch._dynamo.config.caching_precompile") is True:
+        _precompile_said.warn(
+            "caching_precompile",
+            "safecompile.precompile_unguarded",
+            function=name,
+            description=(
+                "TORCH_CACHING_PRECOMPILE=1: graphs torch loads from its precompile cache "
+                "bypass safecompile's backend (no shadow checks, no rollback); unset it"
+            ),
+        )
+
+
+class _CompileOnFirstUse:
+    """``gate.compiled`` until first taken: builds the compiled function once (whichever
+    thread comes first), puts it in the gate, and runs it."""
+
+    __slots__ = ("_build", "_built", "_gate", "_lock")
+
+    def __init__(self, gate: Gate, build: Callable[[], Callable[..., Any]]) -> None:
+        self._gate = gate
+        self._build = build
+        self._built: Callable[..., Any] | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        built = self._built
+        if built is None:
+            with self._lock:
+                built = self._built
+                if built is None:
+                    built = self._built = self._build()
+                    if self._gate.compiled is self:  # reset() may have replaced us
+                        self._gate.compiled = built
+        return built(*args, **kwargs)
+
+
+@dataclass
+class Tally:
+    """What ``stats()`` counts beyond the slots and the graphs (zeroed by ``reset()``)."""
+
+    compile_errors: int = 0
+    graph_breaks: int = 0
+    rollbacks: int = 0
+    last_rollback: Event | None = None
+    limit_said: bool = False  # the recompile_limit event is out
+    seen_breaks: set[tuple[object, object]] = field(default_factory=set)
+
+
+class Engine:
+    """What the calls of one guarded callable share (see the module doc)."""
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        fn: Callable[..., Any],
+        opts: Options,
+        compiler: CompilerFn,
+        sink: Sink,
+        module: torch.nn.Module | None = None,
+        bucketer: Bucketer | None = None,
+        peers: Peers | None = None,
+    ) -> None:
+        self.name = name
+        self.fn = fn
+        self.module = module
+        self.opts = opts  # resolved by the decorator
+        self.clock = opts.clock
+        self.sink = sink
+        self.location = location_of_function(module if module is not None else fn)
+        # CUDA graphs: outputs live in a pool the next replay overwrites (paths.discarded)
+        self.cudagraphs = uses_cudagraphs(opts.backend_label, opts.mode, opts.options)
+        self.lock = threading.RLock()
+        self.gate = Gate()
+        self.slots: Slots[GraphRecord] = Slots()
+        self.table = GraphTable(opts.shadow)
+        self.trips = Trips(opts.rollback, self.clock, self._trip_hooks(), peers)
+        self.compiles = CompileTracker(self.update_gate)
+        self.buckets = BucketTable(bucketer) if bucketer is not None else None
+        target = module if module is not None else fn
+        self.failures = KnownFailures(target, opts.verdict_key(checks=False))
+        self.persisted = Persisted(target, opts.verdict_key(checks=True))
+        self.shadow = ShadowRunner(
+            policy=opts.shadow,
+            fn=fn,
+            on_breach=self._on_async_breach,
+            sink=sink,
+            record=self.record,
+            clock=self.clock,
+        )
+        self.events: collections.deque[Event] = collections.deque(maxlen=_MAX_EVENTS)
+        self.background = threading.Event()  # set while no background warmup is pending
+        self.background.set()
+        self.warmups = 0  # blocking warmups in progress
+        self._rollout_acc = 0.0
+        self.start_afresh()
+        hooks = GraphHooks(
+            table=self.table,
+            local=self.slots.local,
+            limit=opts.rollback.recompile_limit,
+            on_compile_start=self.compiles.enter,
+            on_compile_end=self.compiles.leave,
+            on_graph=self._on_graph,
+            snapshot=self._snapshot,
+            bucket_label=self.slots.bucket,
+            clock=self.clock,
+            announce=self._announce_compile,
+        )
+        # One backend for the life of the callable (torch keeps every one it is given).
+        self.backend = GuardBackend(compiler, hooks, opts.backend_label)
+        # torch.compile runs on the first call that takes the compiled path, never
+        # while the kill switch is on (API.md §3), not at decoration.
+        self.gate.compiled = _CompileOnFirstUse(self.gate, self._compile)
+        ks.register(name)
+        self.refresh_switch()
+        sink.observe_calls(self._call_counts, self.table.checks)
+
+    def start_afresh(self) -> None:
+        """A new speed verdict and tally (at the start, and on ``reset()``)."""
+        rollback = self.opts.rollback
+        self.speed: CallSpeed | None = None
+        if rollback.slower_ratio is not None:
+            policy = SpeedPolicy(ratio=rollback.slower_ratio, min_pairs=rollback.slower_min_samples)
+            self.speed = CallSpeed(policy)
+        self.tally = Tally()
+        time_tracing()  # again after ``torch._dynamo.reset()``, which clears it
+
+    def _trip_hooks(self) -> TripHooks:
+        return TripHooks(
+            record=self.record,
+            counted=self._counted,
+            update_gate=self.update_gate,
+            restart_canary=self.table.restart_canary,
+            restart_speed=self.restart_speed,
+            last_reason=self._last_reason,
+            location=self.location,
+        )
+
+    def _compile(self) -> Callable[..., Any]:
+        """``torch.compile`` of the callable, through our backend."""
+        _warn_if_precompile(self.name)
+        # the application's guards are built by now: a pattern matching none is a typo
+        token = ks.env_token()
+        self._warn_switch_doubts(token if isinstance(token, str | bytes) else None, unmatched=True)
+        opts = self.opts
+        guard_filter = (opts.options or {}).get("guard_filter_fn")
+        return compile_function(
+            own_frame(self.fn),  # reset() drops the graphs of this callable alone
+            backend=self.backend,
+            dynamic=opts.dynamic,
+            fullgraph=opts.fullgraph,
+            # torch's own limit stays above ours: past ours, our backend serves the
+            # traced graph eagerly and says so; torch never falls back silently first
+            recompile_limit=max(2 * opts.rollback.recompile_limit + 2, 8),
+            options={"guard_filter_fn": guard_filter} if guard_filter is not None else None,
+        )
+
+    def _snapshot(self, graph_args: tuple[Any, ...], graph: GraphRecord) -> Any:
+        """State before the first graph of a checked call runs (on the calling thread)."""
+        snapshot = Snapshot.take(
+            graph_args, self.module, copy=graph.mutates, by_value=self.cudagraphs
+        )
+        if graph.effects:
+            snapshot.add_objects(*find_effects(graph))
+        return snapshot
+
+    # ------------------------------------------------------------------ the gate
+
+    def update_gate(self) -> None:
+        """Recompute the hot path's flag: open only when nothing needs the slow path."""
+        with self.lock:
+            self.gate.fast = (
+                not self.gate.disabled
+                and not self.trips.tripped
+                and self.opts.rollout >= 1.0
+                and not self.compiles.busy
+                and not self.warming_up
+                and len(self.table) > 0
+                and not (self.speed is not None and self.speed.wants)
+            )
+
+    @property
+    def warming_up(self) -> bool:
+        """Whether a warmup (blocking or background) is compiling now."""
+        return bool(self.warmups) or not self.background.is_set()
+
+    def background_warmup(self, *, pending: bool) -> None:
+        """A background warmup starts (``pending``: live calls run eager) or ends."""
+        if pending:
+            self.background.clear()
+        else:
+            self.background.set()
+        self.update_gate()
+
+    def pick_compiled(self) -> bool:
+        """Staged rollout: route exactly a ``rollout`` share of calls to compiled."""
+        with self.lock:
+            self._rollout_acc += self.opts.rollout
+            if self._rollout_acc >= 1.0:
+                self._rollout_acc -= 1.0
+                return True
+            return False
+
+    def refresh_switch(self) -> None:
+        """Re-read the kill switch (the environment, ``disable()`` or the watched source
+        changed); the event names the switch that turned this callable off."""
+        with self.lock:
+            token = ks.env_token()
+            generation = ks.SWITCH.generation  # before the rules: a change after is seen
+            value = token if isinstance(token, str | bytes) else None
+            source = ks.source_of(self.name, value)
+            disabled = source is not None
+            changed = disabled != self.gate.disabled
+            fresh_value = token is not self.gate.token
+            self.gate.token = token
+            self.gate.generation = generation
+            self.gate.disabled = disabled
+            self.update_gate()
+        if fresh_value:
+            self._warn_switch_doubts(value)
+        if changed:
+            message = f"kill switch: {source} turned this callable off"
+            self._say(
+                EventKind.DISABLED if disabled else EventKind.ENABLED,
+                message if disabled else "kill switch: no longer applies",
+                details={"source": source} if source else {},
+            )
+
+    def _warn_switch_doubts(self, value: str | bytes | None, *, unmatched: bool = False) -> None:
+        """One warning event per doubtful part of a ``SAFECOMPILE_DISABLE`` value."""
+        for doubt in ks.unwarned_doubts(value, unmatched=unmatched):
+            self._say(EventKind.SWITCH_WARNING, doubt)
+
+    # ------------------------------------------------------------------ events and trips
+
+    def record(self, event: Event) -> None:
+        with self.lock:
+            self.events.append(event)
+        self.sink.event(event)
+
+    def _say(self, kind: EventKind, message: str, *, here: bool = False, **fields: Any) -> None:
+        """Record an event of ``kind`` now (``here``: at the user's function)."""
+        where = location_fields(self.location) if here else {}
+        self.record(Event(kind=kind, time=time.time(), message=message, **where, **fields))
+
+    def trip(
+        self,
+        reason: Reason,
+        *,
+        error: BaseException | None = None,
+        message: str | None = None,
+        bucket: str | None = None,
+        graph: GraphRecord | None = None,
+        max_abs: float | None = None,
+        max_rel: float | None = None,
+    ) -> None:
+        """Send every later call to eager (until ``retry_after``, or ``reset()``); with a
+        process group, the peers follow at the next safe point (:mod:`.trips`)."""
+
+        def event() -> Event:
+            return self._rollback_event(reason, error, message, bucket, graph, max_abs, max_rel)
+
+        self.trips.trip(reason, event)
+
+    def _counted(self, event: Event) -> None:
+        """The breaker has just tripped: count it and record its event."""
+        with self.lock:
+            self.tally.rollbacks += 1
+            self.update_gate()
+        wait = self.trips.breaker.wait
+        if wait is not None:
+            event.details["retry_in_s"] = wait
+        with self.lock:
+            self.tally.last_rollback = event
+        self.record(event)
+
+    def restart_speed(self) -> None:
+        """The speed verdict starts afresh (a trial, a recovery)."""
+        if self.speed is not None:
+            self.speed.restart()
+            self.slots.remark()
+            self.update_gate()
+
+    def _last_reason(self) -> Reason | None:
+        last = self.tally.last_rollback
+        return last.reason if last is not None else None
+
+    def _rollback_event(
+        self,
+        reason: Reason,
+        error: BaseException | None,
+        message: str | None,
+        bucket: str | None,
+        graph: GraphRecord | None,
+        max_abs: float | None,
+        max_rel: float | None,
+    ) -> Event:
+        text = ""
+        if error is not None:
+            where, details, explained = self.describe_error(error)
+            text = explained.text
+            if reason is Reason.COMPILE_ERROR:
+                # the compile_failed event just before says it in full: refer to it
+                del details["error_message"]
+                text = f"compile failed: {explained.summary} (see compile_failed)"
+        else:
+            where, details = location_fields(self.location), {}
+        if graph is not None:
+            details["graph"] = graph.id
+            details["graph_inputs"] = graph.label
+        return Event(
+            kind=EventKind.ROLLBACK,
+            reason=reason,
+            time=time.time(),
+            bucket=bucket if bucket is not None else (graph.bucket if graph else None),
+            error_type=error_type_name(error) if error is not None else None,
+            message=truncate(message) if message is not None else text,
+            max_abs_diff=max_abs,
+            max_rel_diff=max_rel,
+            details=details,
+            **where,
+        )
+
+    def compile_failed(self, error: BaseException, call: Call) -> None:
+        """A compile raised (not the user's own error): persist it and say so."""
+        self.failures.persist(self.name, error, call.args, call.kwargs)
+        started = trace_started()
+        where, details, explained = self.describe_error(error)
+        with self.lock:
+            self.tally.compile_errors += 1
+        self._say(
+            EventKind.COMPILE_FAILED,
+            explained.text,
+            reason=Reason.COMPILE_ERROR,
+            bucket=call.bucket,
+            duration_s=time.perf_counter() - started if started is not None else None,
+            error_type=error_type_name(error),
+            details=details,
+            **where,
+        )
+
+    def note_warmup_error(self, error: BaseException) -> None:
+        """A background warmup example raised eagerly too: eager keeps serving."""
+        where, details, explained = self.describe_error(error)
+        self._say(
+            EventKind.WARMUP_FAILED,
+            explained.text,
+            error_type=error_type_name(error),
+            details=details,
+            **where,
+        )
+
+    def describe_error(
+        self, error: BaseException
+    ) -> tuple[dict[str, Any], dict[str, Any], Explanation]:
+        """The user's line of an error (and where generated code raised it), and the
+        error in plain words; the raw text in ``details["error_message"]``."""
+        at, generated = location_of_error(error, self.module or self.fn)
+        details: dict[str, Any] = {"generated_file": generated} if generated is not None else {}
+        where = location_fields(at or self.location)
+        location = (
+            SourceLocation(where["file"], where.get("line"), where.get("function"))
+            if where
+            else None
+        )
+        explained = explain(error, location)
+        details["error_kind"] = explained.kind
+        details["error_message"] = safe_message(error)
+        return where, details, explained
+
+    def _on_async_breach(
+        self, graph: GraphRecord | None, message: str, max_abs: float, max_rel: float
+    ) -> None:
+        self.trip(Reason.DRIFT, message=message, graph=graph, max_abs=max_abs, max_rel=max_rel)
+
+    # ------------------------------------------------------------------ compiles
+
+    def _announce_compile(self, graph: str, started: float) -> Callable[[], None]:
+        """A compile starts (on the compiling thread): say so if it takes a while."""
+        label = self.slots.bucket() or graph
+        return watch_compile(
+            self.name, label, started, self._compiling, on_still=self._still_compiling
+        )
+
+    def _compiling(self, compiling: Compiling) -> None:
+        """A compile is still running after ~2 s (on the timer's thread)."""
+        self._say(
+            EventKind.COMPILING,
+            f"still compiling after {compiling.elapsed():.0f} s: {compiling.graph}",
+            here=True,
+            bucket=compiling.graph,
+        )
+
+    def _still_compiling(self, compiling: Compiling) -> None:
+        """A slow compile goes on: a log line, not an event (events keep changes)."""
+        log_event(
+            "safecompile.still_compiling",
+            function=self.name,
+            bucket=compiling.graph,
+            duration_s=round(compiling.elapsed(), 1),
+            description=compiling.graph,
+        )
+
+    def _on_graph(self, graph: GraphRecord, gm: torch.fx.GraphModule) -> None:
+        """The backend made a graph (on the compiling thread, inside the call)."""
+        with self.lock:
+            # A break is seen from both sides (the graph it ends, the one resuming after
+            # it): each is told once, on the graph where it first shows.
+            breaks = []
+            for found in dedupe_graph_breaks(graph.breaks):
+                at = (found.get("file"), found.get("line"))
+                if at == (None, None) or at not in self.tally.seen_breaks:
+                    self.tally.seen_breaks.add(at)
+                    breaks.append(dict(found))
+            graph.breaks = breaks
+            self.tally.graph_breaks += len(breaks)
+            first_limit = not graph.compiled and not self.tally.limit_said
+            if first_limit:
+                self.tally.limit_said = True
+        slot = self.slots.get()
+        slot.new = [graph] if slot.new is None else [*slot.new, graph]
+        where = graph.bucket if graph.bucket is not None else f"graph {graph.id}"
+        if graph.compiled:
+            self._say(
+                EventKind.COMPILED,
+                f"compiled graph {graph.id} ({graph.label}) with {len(breaks)} graph break(s)",
+                here=True,
+                bucket=where,
+                duration_s=graph.compile_s,
+                details={"graph": graph.id, "graphs": 1, "graph_breaks": breaks},
+            )
+        elif first_limit:
+            limit = self.opts.rollback.recompile_limit
+            self._say(
+                EventKind.RECOMPILE_LIMIT,
+                f"{limit} graphs compiled for {graph.code.split('@')[0]} reached "
+                f"max_recompiles={limit}: new graphs run eager from now on; "
+                "compiled graphs keep serving",
+                here=True,
+                reason=Reason.RECOMPILE_LIMIT,
+                bucket=where,
+                details={"graph": graph.id},
+            )
+        if graph.unchecked is not None and self.opts.shadow is not None:
+            self.shadow.skip_graph(graph, graph.unchecked)
+
+    # ------------------------------------------------------------------ the speed verdict
+
+    def speed_tick(self, slot: CallSlot) -> None:
+        """Tell the speed verdict the calls this thread made since it last did (the hot
+        path calls this when ``slot.compiled`` reaches ``slot.mark``), and set the next
+        mark; when the verdict wants the next call, close the hot path."""
+        speed = self.speed
+        if speed is None:
+            slot.mark = FOREVER
+            return
+        seen = slot.compiled + slot.eager
+        wanted = speed.wants
+        left = speed.add(seen - slot.seen)
+        slot.seen = seen
+        slot.mark = slot.compiled + max(1, min(left, _TICK))
+        if speed.wants != wanted:
+            self.update_gate()
+
+    def speed_done(self, step: Step, seconds: float | None) -> None:
+        """A timed call ended (``None``: it could not be timed): a verdict is acted on;
+        the hot path opens again when nothing is wanted."""
+        speed = self.speed
+        if speed is None:
+            return
+        decision = None
+        if seconds is None:
+            speed.abandon()
+        else:
+            decision = speed.record(step, seconds)
+        self.update_gate()
+        if decision is not None:
+            self._on_speed(decision)
+
+    def _on_speed(self, decision: Decision) -> None:
+        """A round's verdict: say so; eager won: roll back (``slower``)."""
+        limit = self.opts.rollback.slower_ratio
+        figures = f"[{decision.low:.3f}, {decision.high:.3f}]"
+        self._say(
+            EventKind.SPEED_VERDICT,
+            f"{'eager' if decision.eager else 'compiled'} serves: the whole call, "
+            f"compiled/eager median {decision.ratio:.3f}x {figures} over "
+            f"{decision.pairs} paired live calls (slower_ratio={limit})",
+            here=True,
+            details=decision.to_dict(),
+        )
+        if decision.eager:
+            self.trip(
+                Reason.SLOWER,
+                message=(
+                    f"the compiled path is slower than eager (slower_ratio={limit}): the "
+                    f"whole call {decision.ratio:.3f}x eager's time {figures} over "
+                    f"{decision.pairs} pairs"
+                ),
+            )
+
+    def _call_counts(self) -> tuple[int, int]:
+        compiled, eager, _ = self.slots.totals()
+        return compiled, eager
