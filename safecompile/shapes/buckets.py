@@ -1,15 +1,11 @@
 """Shape buckets: pad bucketed argument dims up to a bucket size, cut outputs back.
 
-The guard asks :meth:`Bucketer.plan` on every call (the hot path: a memo keyed by the
-arguments' tensor shapes answers in well under a microsecond), pads with
-:meth:`Bucketer.pad`, runs the compiled graph, and cuts the output back with
-:meth:`Bucketer.unpad` using a :class:`CutSpec` made once per bucket key, either learned
-from one padded output and unpadded eager's output (:meth:`Bucketer.learn_cuts`) or
-from ``Buckets(outputs=...)`` (:meth:`Bucketer.declared_cuts`).
-
-Un-padding is never silent about a mismatch: a spec is bound to one key and records
-every output tensor's full padded shape, so an output that does not look exactly as it
-did when the spec was made raises :class:`UnpadError` instead of being cut.
+The guard asks :meth:`Bucketer.plan` on every call (memoised on the arguments' shapes),
+pads with :meth:`Bucketer.pad` and cuts the output back with :meth:`Bucketer.unpad`
+using a :class:`CutSpec` made once per plan key: learned from one padded output against
+unpadded eager's, declared by ``Buckets(outputs=...)``, or restored from an earlier
+process. A spec records every output tensor's padded shape, so an output that does not
+look exactly as it did raises :class:`UnpadError` instead of being cut on a guess.
 """
 
 from __future__ import annotations
@@ -36,8 +32,13 @@ _Tensor = torch.Tensor
 _TABLE_LIMIT = 1 << 16  # largest size served by a list lookup; bisect beyond
 _MEMO_LIMIT = 4096  # distinct argument signatures remembered (cleared when full)
 _MISS: Any = object()
+_NO_EAGER: Any = object()  # a spec made without eager's output (declared or restored)
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
 
 Status = Literal["bucketed", "oversize", "unbucketable"]
+Strategy = Literal["pad", "dynamic"]
+_Form = Literal["seq", "map", "data"]
+_Dims = tuple[tuple[int, int], ...]  # (dim, axis index) pairs
 _T = TypeVar("_T")
 
 
@@ -50,13 +51,8 @@ class PadError(BucketError):
 
 
 class UnpadError(BucketError):
-    """An output cannot be cut back safely.
-
-    Raised by :meth:`Bucketer.learn_cuts` and :meth:`Bucketer.declared_cuts` when padding
-    changed the output in a way that cutting cannot undo (or contradicts
-    ``Buckets(outputs=...)``), and by :meth:`Bucketer.unpad` when an output does not
-    match the spec it is cut with. The message names the output path and the shapes.
-    """
+    """An output cannot be cut back safely (padding changed it in a way cutting cannot
+    undo, it contradicts ``Buckets(outputs=...)``, or it does not match its spec)."""
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -74,20 +70,12 @@ class _Target:
 class Plan:
     """What to do with one call's bucketed arguments.
 
-    ``lengths`` and ``sizes`` hold one value per axis of the policy (``Buckets.axes``;
-    the short form has one). ``status`` is ``"bucketed"`` (pad each axis's length up
-    to its size), ``"oversize"`` (a length is past its axis's largest size: run eager,
-    or compile the shape as it is; ``sizes == lengths``) or ``"unbucketable"``
-    (``reason`` says why: dims of one axis disagree, a dim out of range, a pad value
-    the dtype cannot hold; run unpadded, ``sizes == lengths`` = the longest seen).
-
-    ``key`` is hashable and names one padded input signature: the status, the sizes,
-    with ``Buckets(strategy="pad")`` which axes are padded, and for each top-level
-    tensor argument (by parameter name) its shape (bucketed dims at their bucket size)
-    and dtype. Equal keys mean equal padded input shapes, so equal output shapes, and
-    the same axes padded: one graph serves a key (a key whose lengths are exactly its
-    sizes shares the graph of the padded keys), and a :class:`CutSpec` belongs to one
-    key. Python scalars and tensors nested in containers are not part of the key.
+    ``lengths`` and ``sizes`` hold one value per axis of the policy. ``status`` is
+    ``"bucketed"`` (pad each length up to its size), ``"oversize"`` (a length is past its
+    axis's largest size; ``sizes == lengths``) or ``"unbucketable"`` (``reason`` says why;
+    run unpadded). ``key`` names one padded input signature (status, sizes, which axes
+    are padded, and each top-level tensor's padded shape and dtype): one graph and one
+    :class:`CutSpec` serve a key.
     """
 
     key: tuple[Any, ...]
@@ -119,14 +107,8 @@ class Plan:
         return self.sizes != self.lengths
 
     @property
-    def padded_axes(self) -> tuple[bool, ...]:
-        """For each axis, whether this call pads it."""
-        return tuple(s != n for s, n in zip(self.sizes, self.lengths, strict=True))
-
-    @property
     def label(self) -> str:
-        """Short text for events and reports: the bucket (``"64"``, or ``"batch=8,seq=64"``
-        with named axes), or the status."""
+        """The bucket (``"64"``, or ``"batch=8,seq=64"`` with named axes), or the status."""
         if self.status == "bucketed":
             return _axes_text(self.axes, self.sizes)
         if self.status == "oversize":
@@ -165,9 +147,6 @@ class _Node:
     def apply(self, obj: Any, lengths: tuple[int, ...], path: str) -> Any:
         raise NotImplementedError
 
-    def items(self, path: str) -> list[tuple[str, tuple[int, ...]]]:
-        return []
-
 
 class _TensorNode(_Node):
     """One output tensor: its padded shape, and each cut dim with the axis it follows."""
@@ -179,13 +158,13 @@ class _TensorNode(_Node):
         shape: tuple[int, ...],
         cuts: tuple[int, ...],
         contiguous: bool,
-        axes: tuple[int, ...] | None = None,
+        axes: tuple[int, ...],
         *,
         ambiguous: bool = False,
     ) -> None:
         self.shape = shape
         self.cuts = cuts
-        self.axes = axes if axes is not None else (0,) * len(cuts)
+        self.axes = axes
         self.contiguous = contiguous
         self.cuts_any = bool(cuts)
         self.ambiguous = ambiguous  # a cut dim that matched several axes in this call
@@ -203,14 +182,6 @@ class _TensorNode(_Node):
         if self.contiguous and self.cuts and not obj.is_contiguous():
             obj = obj.contiguous()  # eager's output was contiguous: keep .view() working
         return obj
-
-    def items(self, path: str) -> list[tuple[str, tuple[int, ...]]]:
-        return [(path, self.cuts)] if self.cuts else []
-
-    def axis_items(self, path: str) -> list[tuple[str, tuple[tuple[int, int], ...]]]:
-        if not self.cuts:
-            return []
-        return [(path, tuple(zip(self.cuts, self.axes, strict=True)))]
 
 
 class _LeafNode(_Node):
@@ -230,28 +201,50 @@ class _LeafNode(_Node):
         return obj
 
 
-class _SeqNode(_Node):
-    """A tuple (plain, named or struct sequence) or a list."""
+class _Branch(_Node):
+    """A container walked by its keys: a tuple or list (plain, named or a struct sequence)
+    by index, a dict (keys compared in order) by key, a dataclass (``transformers``
+    ``ModelOutput`` included) by field."""
 
-    __slots__ = ("children", "kind")
+    __slots__ = ("children", "form", "keys", "kind", "parts")
 
-    def __init__(self, kind: type[Any], children: tuple[_Node, ...]) -> None:
+    def __init__(
+        self, kind: type[Any], form: _Form, keys: tuple[Any, ...], children: tuple[_Node, ...]
+    ) -> None:
         self.kind = kind
+        self.form = form
+        self.keys = keys
         self.children = children
+        self.parts = _parts(kind, form, keys)
         self.cuts_any = any(c.cuts_any for c in children)
 
     def apply(self, obj: Any, lengths: tuple[int, ...], path: str) -> Any:
-        if type(obj) is not self.kind or len(obj) != len(self.children):
-            raise UnpadError(
-                f"{_show(path)} is a {type(obj).__name__} of {_len(obj)}, expected a "
-                f"{self.kind.__name__} of {len(self.children)}"
-            )
+        if type(obj) is not self.kind or not self._same_keys(obj):
+            expected = _layout_of(self.kind, self.form, self.keys)
+            raise UnpadError(f"{_show(path)} is {_layout(obj)}, expected {expected}")
+        values = [_child(obj, self.form, k) for k in self.keys]
         items = [
-            c.apply(o, lengths, _join(path, _part(self.kind, i)))
-            for i, (c, o) in enumerate(zip(self.children, obj, strict=True))
+            c.apply(v, lengths, _join(path, part))
+            for c, v, part in zip(self.children, values, self.parts, strict=True)
         ]
         if not self.cuts_any:
             return obj
+        return self._rebuild(obj, values, items)
+
+    def _same_keys(self, obj: Any) -> bool:
+        if self.form == "seq":
+            return len(obj) == len(self.keys)
+        return self.form == "data" or tuple(obj.keys()) == self.keys
+
+    def _rebuild(self, obj: Any, values: list[Any], items: list[Any]) -> Any:
+        if self.form == "map":
+            out = copy.copy(obj)  # keeps the subclass (OrderedDict, defaultdict's factory)
+            for k, v in zip(self.keys, items, strict=True):
+                out[k] = v
+            return out
+        if self.form == "data":
+            changed = zip(self.keys, values, items, strict=True)
+            return _replace(obj, {k: new for k, old, new in changed if new is not old})
         if self.kind is list:
             return items
         if self.kind is tuple:
@@ -260,134 +253,113 @@ class _SeqNode(_Node):
             return self.kind(*items)
         return self.kind(items)  # struct sequences (torch.return_types)
 
-    def items(self, path: str) -> list[tuple[str, tuple[int, ...]]]:
-        return [
-            x
-            for i, c in enumerate(self.children)
-            for x in c.items(_join(path, _part(self.kind, i)))
-        ]
+
+def _replace(obj: Any, changes: dict[str, Any]) -> Any:
+    """A dataclass with some fields changed (the instance itself when none are)."""
+    if not changes:
+        return obj
+    init = {f.name for f in dataclasses.fields(obj) if f.init}
+    if init.issuperset(changes):
+        return dataclasses.replace(obj, **changes)  # runs __post_init__ (ModelOutput)
+    out = copy.copy(obj)
+    for name, value in changes.items():
+        object.__setattr__(out, name, value)
+    return out
 
 
-class _MapNode(_Node):
-    """A dict or dict subclass (keys compared in order)."""
-
-    __slots__ = ("children", "keys", "kind")
-
-    def __init__(self, kind: type[Any], keys: tuple[Any, ...], children: tuple[_Node, ...]) -> None:
-        self.kind = kind
-        self.keys = keys
-        self.children = children
-        self.cuts_any = any(c.cuts_any for c in children)
-
-    def apply(self, obj: Any, lengths: tuple[int, ...], path: str) -> Any:
-        if type(obj) is not self.kind or tuple(obj.keys()) != self.keys:
-            raise UnpadError(
-                f"{_show(path)} is a {type(obj).__name__} with keys {_keys(obj)}, expected "
-                f"a {self.kind.__name__} with keys {list(self.keys)}"
-            )
-        items = [
-            c.apply(obj[k], lengths, _join(path, k))
-            for k, c in zip(self.keys, self.children, strict=True)
-        ]
-        if not self.cuts_any:
-            return obj
-        out = copy.copy(obj)  # keeps the subclass (OrderedDict, defaultdict's factory)
-        for k, v in zip(self.keys, items, strict=True):
-            out[k] = v
-        return out
-
-    def items(self, path: str) -> list[tuple[str, tuple[int, ...]]]:
-        return [
-            x
-            for k, c in zip(self.keys, self.children, strict=True)
-            for x in c.items(_join(path, k))
-        ]
+def _contents(obj: object) -> tuple[_Form, tuple[Any, ...]] | None:
+    """A container's form and keys (fields, dict keys or indices); ``None`` otherwise."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return "data", tuple(f.name for f in dataclasses.fields(obj))
+    if isinstance(obj, dict):
+        return "map", tuple(obj.keys())
+    if isinstance(obj, list | tuple):
+        return "seq", tuple(range(len(obj)))
+    return None
 
 
-class _DataNode(_Node):
-    """A dataclass instance (including ``transformers`` ``ModelOutput``)."""
+def _child(obj: Any, form: _Form, key: Any) -> Any:
+    return getattr(obj, key) if form == "data" else obj[key]
 
-    __slots__ = ("children", "kind", "names")
 
-    def __init__(
-        self, kind: type[Any], names: tuple[str, ...], children: tuple[_Node, ...]
-    ) -> None:
-        self.kind = kind
-        self.names = names
-        self.children = children
-        self.cuts_any = any(c.cuts_any for c in children)
+def _parts(kind: type[Any], form: _Form, keys: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Each child's path part: a namedtuple's field names, otherwise the keys."""
+    fields = getattr(kind, "_fields", None)
+    return fields if form == "seq" and isinstance(fields, tuple) else keys
 
-    def apply(self, obj: Any, lengths: tuple[int, ...], path: str) -> Any:
-        if type(obj) is not self.kind:
-            raise UnpadError(
-                f"{_show(path)} is a {type(obj).__name__}, expected a {self.kind.__name__}"
-            )
-        changes = {}
-        for name, child in zip(self.names, self.children, strict=True):
-            value = getattr(obj, name)
-            new = child.apply(value, lengths, _join(path, name))
-            if new is not value:
-                changes[name] = new
-        if not changes:
-            return obj
-        init = {f.name for f in dataclasses.fields(obj) if f.init}
-        if init.issuperset(changes):
-            return dataclasses.replace(obj, **changes)  # runs __post_init__ (ModelOutput)
-        out = copy.copy(obj)
-        for name, value in changes.items():
-            object.__setattr__(out, name, value)
-        return out
 
-    def items(self, path: str) -> list[tuple[str, tuple[int, ...]]]:
-        return [
-            x
-            for n, c in zip(self.names, self.children, strict=True)
-            for x in c.items(_join(path, n))
-        ]
+def _layout_of(kind: type[Any], form: _Form | None, keys: tuple[Any, ...]) -> str:
+    """A value's type and keys, for messages: ``a tuple of 2``, ``a dict with keys ['h']``."""
+    if form == "seq":
+        return f"a {kind.__name__} of {len(keys)}"
+    if form == "map":
+        return f"a {kind.__name__} with keys {list(keys)}"
+    return f"a {kind.__name__}"
+
+
+def _layout(obj: object) -> str:
+    form, keys = _contents(obj) or (None, ())
+    return _layout_of(type(obj), form, keys)
 
 
 def _join(path: str, part: object) -> str:
     return f"{path}.{part}" if path else str(part)
 
 
-def _part(kind: type[Any], i: int) -> str | int:
-    """A sequence item's path part: a namedtuple's field name, otherwise the index."""
-    fields = getattr(kind, "_fields", None)
-    return fields[i] if isinstance(fields, tuple) else i
-
-
 def _show(path: str) -> str:
     return f"output.{path}" if path else "output"
 
 
-def _len(obj: Any) -> str:
-    try:
-        return str(len(obj))
-    except TypeError:
-        return "?"
+def _walk(p: object, e: object, path: str, tensor: Callable[[_Tensor, Any, str], _Node]) -> _Node:
+    """The spec node of padded output ``p``, made by ``tensor(p, e, path)`` for each tensor.
+    ``e`` is unpadded eager's output (it must have ``p``'s structure), or :data:`_NO_EAGER`."""
+    if isinstance(p, _Tensor):
+        return tensor(p, e, path)
+    learning = e is not _NO_EAGER
+    if learning and type(p) is not type(e):
+        raise UnpadError(
+            f"{_show(path)}: padded run gave a {type(p).__name__}, unpadded a {type(e).__name__}"
+        )
+    if isinstance(p, _PLAIN):
+        if learning and isinstance(p, int) and p != e:
+            raise UnpadError(
+                f"{_show(path)}: padded run gave {p!r}, unpadded {e!r}: the output "
+                "depends on the padded length"
+            )
+        return _LeafNode(type(p))
+    found = _contents(p)
+    if found is None:
+        raise UnpadError(
+            f"{_show(path)} is a {type(p).__name__}: safecompile cannot see inside it to "
+            "cut padding back (return tensors, tuples, lists, dicts or dataclasses)"
+        )
+    form, keys = found
+    if learning and _contents(e) != found:
+        raise UnpadError(f"{_show(path)}: padded run gave {_layout(p)}, unpadded {_layout(e)}")
+    children = tuple(
+        _walk(
+            _child(p, form, k),
+            _child(e, form, k) if learning else _NO_EAGER,
+            _join(path, part),
+            tensor,
+        )
+        for k, part in zip(keys, _parts(type(p), form, keys), strict=True)
+    )
+    return _Branch(type(p), form, keys, children)
 
 
-def _keys(obj: Any) -> str:
-    try:
-        return str(list(obj.keys()))
-    except (AttributeError, TypeError):
-        return "?"
-
-
-def _is_dataclass_instance(obj: object) -> bool:
-    return dataclasses.is_dataclass(obj) and not isinstance(obj, type)
-
-
-_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+def _tensor_nodes(node: _Node, path: str = "") -> Iterator[tuple[str, _TensorNode]]:
+    """Every tensor in a spec, with its path."""
+    if isinstance(node, _TensorNode):
+        yield path, node
+    elif isinstance(node, _Branch):
+        for part, child in zip(node.parts, node.children, strict=True):
+            yield from _tensor_nodes(child, _join(path, part))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class CutSpec:
-    """Which output dims to cut back, for the one plan key it was made for.
-
-    Records every output tensor's full padded shape: :meth:`Bucketer.unpad` refuses an
-    output that differs in structure or in any shape.
-    """
+    """Which output dims to cut back, for the one plan key it was made for."""
 
     key: tuple[Any, ...]
     sizes: tuple[int, ...]
@@ -398,14 +370,14 @@ class CutSpec:
     @property
     def cuts(self) -> dict[str, tuple[int, ...]]:
         """Output path (``""`` the output itself) to the dims cut there."""
-        return dict(self.root.items(""))
+        return {path: n.cuts for path, n in _tensor_nodes(self.root) if n.cuts}
 
     @property
     def cut_axes(self) -> dict[str, tuple[tuple[int, str | None], ...]]:
         """Output path to each cut dim with the name of the axis it follows."""
         return {
             path: tuple((d, self.axes[a]) for d, a in zip(n.cuts, n.axes, strict=True))
-            for path, n in _tensor_nodes(self.root, "")
+            for path, n in _tensor_nodes(self.root)
             if n.cuts
         }
 
@@ -413,14 +385,14 @@ class CutSpec:
     def ambiguous(self) -> bool:
         """Whether a cut dim matched several axes (equal sizes and lengths) when learned:
         right for that call, but not known for the key's other calls."""
-        return any(n.ambiguous for _, n in _tensor_nodes(self.root, ""))
+        return any(n.ambiguous for _, n in _tensor_nodes(self.root))
 
     def saved(self) -> list[list[Any]]:
         """Every output tensor as ``[path, padded shape, [[dim, axis], ...], contiguous]``:
         plain JSON, for :meth:`Bucketer.restored_cuts` in a later process."""
         return [
             [path, list(n.shape), [list(c) for c in zip(n.cuts, n.axes, strict=True)], n.contiguous]
-            for path, n in _tensor_nodes(self.root, "")
+            for path, n in _tensor_nodes(self.root)
         ]
 
     def describe(self) -> str:
@@ -435,21 +407,40 @@ class CutSpec:
         )
 
 
+def _learn_tensor(p: _Tensor, e: object, path: str, plan: Plan) -> _TensorNode:
+    """The cut for one output tensor: the dims that are a padded axis's size padded and
+    its length in eager's ``e``; any other difference raises :class:`UnpadError`."""
+    if not isinstance(e, _Tensor):
+        raise UnpadError(f"{_show(path)}: padded run gave a tensor, unpadded a {type(e).__name__}")
+    ps, es = tuple(p.shape), tuple(e.shape)
+    if len(ps) != len(es):
+        raise UnpadError(
+            f"{_show(path)}: padded run gave shape {ps}, unpadded {es}; cannot cut back"
+        )
+    cuts, axes = [], []
+    ambiguous = False
+    for d, (a, b) in enumerate(zip(ps, es, strict=True)):
+        if a == b:
+            continue
+        match = [
+            i
+            for i, (s, n) in enumerate(zip(plan.sizes, plan.lengths, strict=True))
+            if s != n and a == s and b == n
+        ]
+        if not match:
+            raise UnpadError(
+                f"{_show(path)} dim {d}: padded run gave {a}, unpadded {b}; only a dim "
+                f"that is the length ({_axes_text(plan.axes, plan.lengths)}) unpadded and the "
+                f"bucket size ({_axes_text(plan.axes, plan.sizes)}) padded can be cut back"
+            )
+        cuts.append(d)
+        axes.append(match[0])
+        ambiguous = ambiguous or len(match) > 1
+    return _TensorNode(ps, tuple(cuts), e.is_contiguous(), tuple(axes), ambiguous=ambiguous)
+
+
 # ---------------------------------------------------------------- the bucketer
 
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _Slot:
-    name: str
-    position: int | None  # None: keyword only
-    keyword: bool  # may be passed by keyword
-    dims: tuple[tuple[int, int], ...]  # (dim, axis index)
-
-
-_Found = list[tuple[_Slot, int | str, _Tensor]]  # what Bucketer._find returns
-Strategy = Literal["pad", "dynamic"]
-
-# Modes and options under which inductor runs CUDA graphs (static shapes only).
 _CUDAGRAPH_BACKENDS = ("cudagraphs",)
 
 
@@ -461,14 +452,10 @@ def resolve_strategy(
     options: Mapping[str, Any] | None = None,
     dynamic: bool | None = None,
 ) -> Strategy:
-    """The strategy ``Buckets(strategy="auto")`` means for these compile options.
-
-    ``"pad"`` where the compiled code needs static shapes: CUDA graphs (the
-    ``"cudagraphs"`` backend, a ``mode`` that turns on ``triton.cudagraphs`` —
-    ``"reduce-overhead"``, ``"max-autotune"`` — or that option itself), or
-    ``dynamic=False``; ``"dynamic"`` otherwise. An explicit ``"pad"`` or ``"dynamic"``
-    is returned as it is.
-    """
+    """The strategy ``Buckets(strategy="auto")`` means for these compile options:
+    ``"pad"`` where the compiled code needs static shapes (CUDA graphs, see
+    :func:`uses_cudagraphs`, or ``dynamic=False``), ``"dynamic"`` otherwise. An explicit
+    ``"pad"`` or ``"dynamic"`` is returned as it is."""
     if policy.strategy != "auto":
         return policy.strategy
     if dynamic is False or backend in _CUDAGRAPH_BACKENDS:
@@ -496,17 +483,28 @@ def uses_cudagraphs(
     return bool(settings.get("triton.cudagraphs"))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Param:
+    """A bucketed parameter: how a call passes it, and its bucketed dims."""
+
+    name: str
+    position: int | None  # None: keyword only
+    keyword: bool  # may be passed by keyword
+    dims: _Dims
+
+
+_Found = list[tuple[_Param, int | str, _Tensor]]  # each bucketed tensor, and where it was passed
+
+
 class Bucketer:
     """Pads one callable's bucketed arguments and cuts its outputs back.
 
-    ``fn`` is what the arguments given to :meth:`plan` are for: a function (a method
-    defined in a class body takes ``self`` first), a bound method (no ``self``) or an
-    ``nn.Module`` (the arguments of ``module(...)``, i.e. its ``forward`` without
-    ``self``). Each name in ``policy.dims`` must be one of its parameters (or ``fn``
-    must take ``**kwargs``), otherwise :class:`ConfigError`. ``strategy`` is the
-    resolved one (:func:`resolve_strategy`; default: resolved without compile options).
-
-    Thread-safe: the only shared state is a memo dict, filled idempotently.
+    ``fn`` is what the arguments given to :meth:`plan` are for: a function, a bound
+    method or an ``nn.Module`` (the arguments of its ``forward`` without ``self``). Each
+    name in ``policy.dims`` must be one of its parameters (or ``fn`` must take
+    ``**kwargs``), otherwise :class:`ConfigError`. ``strategy`` is the resolved one
+    (:func:`resolve_strategy`). Thread-safe: the only shared state is a memo dict,
+    filled idempotently.
     """
 
     def __init__(
@@ -523,18 +521,18 @@ class Bucketer:
                 f"Buckets(dims=...) needs the parameters of {_name(fn)}, but its signature "
                 f"cannot be read: {exc}"
             ) from None
-        params = list(signature.parameters.values())
         kinds = inspect.Parameter
+        params = signature.parameters.values()
         self._positional = tuple(
             p.name for p in params if p.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)
         )
         var_keyword = any(p.kind is kinds.VAR_KEYWORD for p in params)
-        slots = []
+        found = []
         for name in policy.dims:
             dims = policy.dims_of(name)
             param = signature.parameters.get(name)
             if param is None and var_keyword:
-                slots.append(_Slot(name, None, True, dims))
+                found.append(_Param(name, None, True, dims))
                 continue
             if param is None or param.kind in (kinds.VAR_POSITIONAL, kinds.VAR_KEYWORD):
                 what = "is not a parameter" if param is None else "is a variadic parameter"
@@ -543,20 +541,12 @@ class Bucketer:
                     f"{signature}; name a tensor parameter"
                 )
             position = self._positional.index(name) if name in self._positional else None
-            keyword = param.kind is not kinds.POSITIONAL_ONLY
-            slots.append(_Slot(name, position, keyword, dims))
-        self._slots = tuple(slots)
+            found.append(_Param(name, position, param.kind is not kinds.POSITIONAL_ONLY, dims))
+        self._params = tuple(found)
         self._sizes = tuple(a.sizes for a in policy.axes)
-        self._tables = tuple(_table(sizes) for sizes in self._sizes)
+        self._tables = tuple(_lookup_table(sizes) for sizes in self._sizes)
         self._memo: dict[tuple[Any, ...], Plan | None] = {}
         self._declared_all, self._declared_paths = _declared(policy)
-
-    @property
-    def sizes(self) -> tuple[int, ...]:
-        """The sizes of the one axis (``ValueError`` with several: read ``policy.axes``)."""
-        if len(self._sizes) != 1:
-            raise ValueError(f"{len(self._sizes)} axes: read policy.axes")
-        return self._sizes[0]
 
     @property
     def _table(self) -> list[int] | None:  # the first axis's lookup table (tests read it)
@@ -576,14 +566,9 @@ class Bucketer:
 
     def plan(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Plan | None:
         """The plan for one call, or ``None`` when no bucketed argument is a tensor.
-
-        Cheap when the arguments' shapes were seen before (a dict lookup on their
-        shapes and dtypes); otherwise a few microseconds.
-        """
-        # The memo key spells each positional argument as (shape, dtype) for a tensor
-        # or its type otherwise, then each keyword as name, (shape, dtype) or type: a
-        # prefix-free code, so equal keys mean equal signatures. Hand-unrolled for the
-        # common arities: this runs on every call.
+        A dict lookup on the arguments' shapes and dtypes when seen before."""
+        # The memo key is a prefix-free code of the signature (see _signature_key),
+        # hand-unrolled for the common arities: this runs on every call.
         memo_key: tuple[Any, ...]
         n = len(args)
         if n == 1 and not kwargs:
@@ -610,28 +595,26 @@ class Bucketer:
             self._memo[memo_key] = found
         return found  # type: ignore[no-any-return]
 
-    def _find(
-        self, args: tuple[Any, ...], kwargs: Mapping[str, Any]
-    ) -> tuple[list[tuple[_Slot, int | str, _Tensor]], str | None]:
-        """The bucketed tensors of a call (slot, where, tensor), and a problem if any."""
-        found: list[tuple[_Slot, int | str, _Tensor]] = []
+    def _find(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[_Found, str | None]:
+        """The bucketed tensors of a call (param, where, tensor), and a problem if any."""
+        found: _Found = []
         problem = None
-        for slot in self._slots:
+        for param in self._params:
             where: int | str
-            if slot.position is not None and slot.position < len(args):
-                where = slot.position
-                value = args[slot.position]
-            elif slot.keyword and slot.name in kwargs:
-                where = slot.name
-                value = kwargs[slot.name]
+            if param.position is not None and param.position < len(args):
+                where = param.position
+                value = args[param.position]
+            elif param.keyword and param.name in kwargs:
+                where = param.name
+                value = kwargs[param.name]
             else:
                 continue
             if value is None:
                 continue
             if not isinstance(value, _Tensor):
-                problem = problem or f"{slot.name} is a {type(value).__name__}, not a tensor"
+                problem = problem or f"{param.name} is a {type(value).__name__}, not a tensor"
                 continue
-            found.append((slot, where, value))
+            found.append((param, where, value))
         return found, problem
 
     def _plan(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Plan | None:
@@ -640,9 +623,8 @@ class Bucketer:
             return None
 
         norm, seen, problem = _normalize_dims(found, problem)
-        count = len(self.axes)
-        lengths = [0] * count
-        for axis in range(count):
+        lengths = [0] * len(self.axes)
+        for axis in range(len(self.axes)):
             on_axis = [(name, d, n) for name, d, a, n in seen if a == axis]
             distinct = {n for _, _, n in on_axis}
             if problem is None and len(distinct) > 1:
@@ -679,51 +661,50 @@ class Bucketer:
         return Plan(key, status, tuple(lengths), sizes, problem, targets, self.axes)
 
     def _targets(
-        self, found: _Found, norm: Mapping[str, tuple[tuple[int, int], ...]], sizes: tuple[int, ...]
+        self, found: _Found, norm: Mapping[str, _Dims], sizes: tuple[int, ...]
     ) -> tuple[tuple[_Target, ...], str | None]:
         """How to pad each bucketed tensor up to its axes' ``sizes``, or a pad value that
         cannot be used (then no targets)."""
         targets = []
-        for slot, where, tensor in found:
-            value = self.policy.pad_for(slot.name)
+        for param, where, tensor in found:
+            value = self.policy.pad_for(param.name)
             if not _fits(value, tensor.dtype):
                 return (), (
-                    f"pad value {value!r} for {slot.name} does not fit its dtype "
+                    f"pad value {value!r} for {param.name} does not fit its dtype "
                     f"{str(tensor.dtype).removeprefix('torch.')}"
                 )
             shape = tuple(tensor.shape)
-            pad = _pad_widths(shape, norm[slot.name], sizes)
-            targets.append(_Target(slot.name, where, shape, pad, value))
+            pad = _pad_widths(shape, norm[param.name], sizes)
+            targets.append(_Target(param.name, where, shape, pad, value))
         return tuple(targets), None
 
     def _entries(
         self,
         args: tuple[Any, ...],
         kwargs: Mapping[str, Any],
-        padded_dims: Mapping[str, tuple[tuple[int, int], ...]],
+        padded_dims: Mapping[str, _Dims],
         sizes: tuple[int, ...],
     ) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
         """The key's part for the call's top-level tensors, by parameter name."""
+        named = [
+            (self._positional[i] if i < len(self._positional) else f"*{i}", a)
+            for i, a in enumerate(args)
+        ]
         entries = []
-        for i, a in enumerate(args):
-            if isinstance(a, _Tensor):
-                name = self._positional[i] if i < len(self._positional) else f"*{i}"
-                entries.append(_entry(name, a, padded_dims.get(name, ()), sizes))
-        for k, v in kwargs.items():
-            if isinstance(v, _Tensor):
-                entries.append(_entry(k, v, padded_dims.get(k, ()), sizes))
+        for name, value in [*named, *kwargs.items()]:
+            if isinstance(value, _Tensor):
+                shape = list(value.shape)
+                for d, axis in padded_dims.get(name, ()):
+                    shape[d] = sizes[axis]
+                entries.append((name, tuple(shape), value.dtype))
         entries.sort(key=lambda e: e[0])
         return tuple(entries)
 
     def pad(
         self, plan: Plan, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The arguments with bucketed dims padded up to their axes' ``plan.sizes``.
-
-        Other arguments are passed through untouched; an unpadded plan returns the
-        arguments as they are. Padding copies (autograd flows back through it); a
-        function that mutates a bucketed argument in place mutates the copy.
-        """
+        """The arguments with bucketed dims padded up to their axes' ``plan.sizes`` (a copy:
+        autograd flows back through it); other arguments are passed through untouched."""
         if not plan.targets:
             return args, kwargs if isinstance(kwargs, dict) else dict(kwargs)
         new_args = list(args)
@@ -745,9 +726,9 @@ class Bucketer:
     # -- warmup
 
     def warmup_lengths(self, axis: int = 0) -> tuple[int, ...]:
-        """One length per size of ``axis``, for warmup: ``size - 1`` (padded by one, so
-        the bucket's output cut can be learned and its padding checked against eager
-        before any traffic), or the size itself when its bucket holds that one length."""
+        """One length per size of ``axis``: ``size - 1`` (padded by one, so the bucket's
+        cut is learned and its padding checked before any traffic), or the size itself
+        when its bucket holds that one length."""
         out = []
         previous = 0
         for size in self._sizes[axis]:
@@ -756,15 +737,11 @@ class Bucketer:
         return tuple(out)
 
     def warmup_calls(self) -> tuple[tuple[int, ...], ...]:
-        """The lengths (one per axis) of the calls that warm every bucket up: each
-        combination of sizes (the product over axes). With ``strategy="pad"``, every
-        padded key of a combination is verified too — all axes padded, and each mix of
-        padded and exactly fitting axes — with lengths picked so that no two padded axes
-        share a size and a length (which would leave their output dims ambiguous)."""
-        per_axis = []
-        for sizes in self._sizes:
-            bounds = [0, *sizes[:-1]]
-            per_axis.append(list(zip(sizes, bounds, strict=True)))
+        """The lengths (one per axis) of the calls that warm every combination of sizes
+        up. With ``strategy="pad"`` each mix of padded and exactly fitting axes is
+        verified too, with lengths picked so that no two padded axes share a size and a
+        length (which would leave their output dims ambiguous)."""
+        per_axis = [list(zip(sizes, [0, *sizes[:-1]], strict=True)) for sizes in self._sizes]
         calls: list[tuple[int, ...]] = []
         for combo in itertools.product(*per_axis):
             paddable = [size - 1 > low for size, low in combo]
@@ -785,13 +762,13 @@ class Bucketer:
     def warmup_specialised(self) -> tuple[tuple[int, ...], ...]:
         """With ``strategy="dynamic"``, the extra warmup calls for length 1 on each axis
         whose first size is larger (torch specialises it: a static graph of its own), in
-        every combination with the other axes' ranges; none when padding. Best effort:
-        an example the function cannot take at length 1 is skipped."""
+        every combination with the other axes' ranges."""
         if self.strategy != "dynamic":
             return ()
-        per_axis = []
-        for axis, sizes in enumerate(self._sizes):
-            per_axis.append([*([1] if sizes[0] > 1 else []), *self.warmup_lengths(axis)])
+        per_axis = [
+            [*([1] if sizes[0] > 1 else []), *self.warmup_lengths(axis)]
+            for axis, sizes in enumerate(self._sizes)
+        ]
         return tuple(
             c
             for c in itertools.product(*per_axis)
@@ -799,15 +776,14 @@ class Bucketer:
         )
 
     def check_dims(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
-        """Raise :class:`ConfigError` when a bucketed dim is beyond its argument's rank:
-        ``Buckets(dims=...)`` does not fit the function's inputs (warmup, a first call)."""
+        """Raise :class:`ConfigError` when a bucketed dim is beyond its argument's rank."""
         found, _ = self._find(args, kwargs)
-        for slot, _, tensor in found:
+        for param, _, tensor in found:
             rank = tensor.dim()
-            wrong = [d for d, _ in slot.dims if not -rank <= d < rank]
+            wrong = [d for d, _ in param.dims if not -rank <= d < rank]
             if wrong:
                 raise ConfigError(
-                    f"Buckets(dims=...) pads dim {wrong[0]} of {slot.name}, which has "
+                    f"Buckets(dims=...) pads dim {wrong[0]} of {param.name}, which has "
                     f"{rank} dim(s) (shape {tuple(tensor.shape)}) in this call: name a dim "
                     f"it has (0 to {rank - 1}, or -1 for the last)"
                 )
@@ -815,11 +791,9 @@ class Bucketer:
     def resize(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any], lengths: int | tuple[int, ...]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """An example call with each bucketed dim made its axis's length (``lengths``:
-        one per axis, or one int for all): cut when longer, tiled (the example repeated)
-        when shorter, so masks and ids stay realistic. Other arguments are untouched.
-        For warmup: ``resize(*example, n)`` for each ``n`` in :meth:`warmup_calls`
-        gives a call in each bucket."""
+        """An example call with each bucketed dim made its axis's length (``lengths``: one
+        per axis, or one int for all): cut when longer, tiled when shorter (so masks and
+        ids stay realistic). Other arguments are untouched."""
         if isinstance(lengths, int):
             lengths = (lengths,) * len(self.axes)
         self.check_dims(args, kwargs)
@@ -828,21 +802,21 @@ class Bucketer:
             raise PadError(f"cannot resize the example: {problem}")
         new_args = list(args)
         new_kwargs = dict(kwargs)
-        for slot, where, tensor in found:
+        for param, where, tensor in found:
             t = tensor
-            for d, axis in slot.dims:
+            for d, axis in param.dims:
                 length = lengths[axis]
                 n = t.shape[d]
                 if n == 0:
                     shape = list(t.shape)
                     shape[d] = length
-                    t = t.new_full(shape, self.policy.pad_for(slot.name))
+                    t = t.new_full(shape, self.policy.pad_for(param.name))
                     continue
                 if n < length:
                     t = torch.cat([t] * -(-length // n), dim=d)
                 t = t.narrow(d, 0, length)
-            # A fresh tensor with plain strides, like live traffic's: dynamo guards on a
-            # view's base and on strides, so a view would compile graphs of its own.
+            # Plain strides, like live traffic's: dynamo guards on a view's base and on
+            # strides, so a view would compile graphs of its own.
             t = t.clone(memory_format=torch.contiguous_format)
             if isinstance(where, int):
                 new_args[where] = t
@@ -855,52 +829,38 @@ class Bucketer:
     def learn_cuts(self, plan: Plan, padded_out: object, eager_out: object) -> CutSpec:
         """Learn the cut for ``plan.key`` from one padded output and eager's output.
 
-        A dim is cut where the padded output has an axis's size and eager's has that
-        axis's length (the axis must be padded in this call); dims equal in both are
-        kept (a hidden size that equals the bucket stays, both dims of a square
-        attention map are cut). Any other difference (structure, rank, a dim that is
-        neither) raises :class:`UnpadError`:
-        such a bucket cannot be un-padded. With ``Buckets(outputs=...)`` the result must
-        also match the declaration. The values are not compared: that is the shadow
-        check's job (a sum over the padded dim keeps its shape and is not cut).
-
-        Needs a padded plan (``plan.padded``): when the length is the bucket size there
-        is nothing to learn from, and nothing to cut (:meth:`unpad` passes it through).
-        Two padded axes with equal sizes and equal lengths in this call make their dims
-        indistinguishable: the spec is then right for this call only
-        (:attr:`CutSpec.ambiguous`), and a later call must learn again.
+        A dim is cut where the padded output has a padded axis's size and eager's has its
+        length; dims equal in both are kept. Any other difference raises
+        :class:`UnpadError`, as does a result that contradicts ``Buckets(outputs=...)``.
+        Values are not compared (the shadow check's job). Needs ``plan.padded``.
+        Two padded axes with equal sizes and lengths make their dims indistinguishable:
+        the spec is then right for this call only (:attr:`CutSpec.ambiguous`).
         """
         if not plan.padded:
             raise ValueError(
                 f"nothing to learn: length {_axes_text(plan.axes, plan.lengths)} is the bucket "
                 "size, so padding changed no shape (such a call needs no cut)"
             )
-        root = self._learn(padded_out, eager_out, "", plan)
+        root = _walk(padded_out, eager_out, "", lambda p, e, path: _learn_tensor(p, e, path, plan))
         spec = CutSpec(plan.key, plan.sizes, "learned", root, self.axes)
         if self.policy.outputs is not None:
             self._check_declared(spec, plan)
         return spec
 
     def declared_cuts(self, plan: Plan, padded_out: object) -> CutSpec:
-        """The cut for ``plan.key`` from ``Buckets(outputs=...)``, without eager.
-
-        Each declared dim must have its axis's size in ``padded_out``; also valid for a
-        call whose length is the bucket size (the spec then serves the key's later,
-        shorter calls). Raises :class:`UnpadError` on a mismatch, ``ValueError`` when
-        the policy declares nothing.
-        """
+        """The cut for ``plan.key`` from ``Buckets(outputs=...)``, without eager (also for
+        a call whose length is the bucket size). Each declared dim must have its axis's
+        size in ``padded_out`` (else :class:`UnpadError`)."""
         if self.policy.outputs is None:
             raise ValueError("Buckets(outputs=...) is None: the cut must be learned")
-        seen: set[str] = set()
-        root = self._declare(padded_out, "", plan, seen)
-        self._check_unknown_paths(seen)
+        root = _walk(padded_out, _NO_EAGER, "", lambda p, _, path: self._declared(p, path, plan))
+        self._check_paths({path for path, _ in _tensor_nodes(root)})
         return CutSpec(plan.key, plan.sizes, "declared", root, self.axes)
 
     def restored_cuts(self, plan: Plan, padded_out: object, saved: list[Any]) -> CutSpec:
-        """The cut for ``plan.key`` from :meth:`CutSpec.saved` of an earlier process,
-        without eager. ``padded_out`` must hold exactly the tensors and padded shapes
-        saved, each cut dim at its axis's size; anything else raises :class:`UnpadError`
-        (the code's outputs changed: learn again)."""
+        """The cut for ``plan.key`` from :meth:`CutSpec.saved` of an earlier process. The
+        output must hold exactly the tensors and padded shapes saved, each cut dim at its
+        axis's size; anything else raises :class:`UnpadError` (learn again)."""
         nodes: dict[str, _TensorNode] = {}
         for path, shape, cuts, contiguous in saved:
             node = _TensorNode(
@@ -915,7 +875,7 @@ class Bucketer:
                 raise UnpadError(f"the saved cut of {_show(str(path))} does not fit {plan.label}")
             nodes[str(path)] = node
 
-        def restore(p: _Tensor, path: str) -> _Node:
+        def restore(p: _Tensor, _: object, path: str) -> _Node:
             node = nodes.get(path)
             if node is None or tuple(p.shape) != node.shape:
                 raise UnpadError(
@@ -924,20 +884,17 @@ class Bucketer:
                 )
             return node
 
-        seen: set[str] = set()
-        root = self._declare(padded_out, "", plan, seen, restore)
+        root = _walk(padded_out, _NO_EAGER, "", restore)
+        seen = {path for path, _ in _tensor_nodes(root)}
         if seen != set(nodes):
             raise UnpadError(f"output tensors {sorted(seen)}, saved {sorted(nodes)}")
         return CutSpec(plan.key, plan.sizes, "learned", root, self.axes)
 
     def unpad(self, plan: Plan, out: _T, cuts: CutSpec | None) -> _T:
-        """``out`` with the spec's dims cut to their axes' ``plan.lengths`` (views where they are
-        contiguous like eager's; a copy otherwise).
-
-        An unpadded plan returns ``out`` as it is (``cuts`` may be ``None``). Raises
-        :class:`UnpadError` when the spec was made for another key or the output's
-        structure or shapes differ from the spec's: nothing is ever cut on a guess.
-        """
+        """``out`` with the spec's dims cut to their axes' ``plan.lengths`` (views where
+        contiguous like eager's, else a copy); an unpadded plan returns ``out`` as it is.
+        Raises :class:`UnpadError` when the spec was made for another key or the output
+        differs from it: nothing is ever cut on a guess."""
         if not plan.padded:
             return out
         if cuts is None:
@@ -950,126 +907,46 @@ class Bucketer:
             )
         return cuts.root.apply(out, plan.lengths, "")  # type: ignore[no-any-return]
 
-    # -- helpers
+    # -- declared cuts
 
-    def _learn(self, p: object, e: object, path: str, plan: Plan) -> _Node:
-        if isinstance(p, _Tensor):
-            return _learn_tensor(p, e, path, plan)
-        if type(p) is not type(e):
-            raise UnpadError(
-                f"{_show(path)}: padded run gave a {type(p).__name__}, unpadded a "
-                f"{type(e).__name__}"
-            )
-        if _is_dataclass_instance(p):
-            names = tuple(f.name for f in dataclasses.fields(p))  # type: ignore[arg-type]
-            children = tuple(
-                self._learn(getattr(p, n), getattr(e, n), _join(path, n), plan) for n in names
-            )
-            return _DataNode(type(p), names, children)
-        if isinstance(p, dict):
-            assert isinstance(e, dict)
-            keys = tuple(p.keys())
-            if keys != tuple(e.keys()):
-                raise UnpadError(
-                    f"{_show(path)}: padded run gave keys {list(keys)}, unpadded {list(e)}"
-                )
-            children = tuple(self._learn(p[k], e[k], _join(path, k), plan) for k in keys)
-            return _MapNode(type(p), keys, children)
-        if isinstance(p, list | tuple):
-            assert isinstance(e, list | tuple)
-            if len(p) != len(e):
-                raise UnpadError(
-                    f"{_show(path)}: padded run gave {len(p)} items, unpadded {len(e)}"
-                )
-            children = tuple(
-                self._learn(a, b, _join(path, _part(type(p), i)), plan)
-                for i, (a, b) in enumerate(zip(p, e, strict=True))
-            )
-            return _SeqNode(type(p), children)
-        if isinstance(p, _PLAIN):
-            if isinstance(p, int) and p != e:
-                raise UnpadError(
-                    f"{_show(path)}: padded run gave {p!r}, unpadded {e!r}: the output "
-                    "depends on the padded length"
-                )
-            return _LeafNode(type(p))
-        raise UnpadError(
-            f"{_show(path)} is a {type(p).__name__}: safecompile cannot see inside it to "
-            "cut padding back (return tensors, tuples, lists, dicts or dataclasses)"
-        )
-
-    def _declared_for(self, path: str) -> tuple[tuple[int, int], ...]:
+    def _declared_for(self, path: str) -> _Dims:
         """The declared cut dims of one output path, each with its axis index."""
         if self._declared_paths is not None:
             return self._declared_paths.get(path, ())
         assert self._declared_all is not None
         return self._declared_all
 
-    def _declare(
-        self,
-        p: object,
-        path: str,
-        plan: Plan,
-        seen: set[str],
-        tensor: Callable[[_Tensor, str], _Node] | None = None,
-    ) -> _Node:
-        """The spec's node for ``p``: each tensor's cut declared by the policy, or made by
-        ``tensor(p, path)`` when given (:meth:`restored_cuts`)."""
-        if isinstance(p, _Tensor):
-            seen.add(path)
-            if tensor is not None:
-                return tensor(p, path)
-            shape = tuple(p.shape)
-            cuts = []
-            for d, axis in self._declared_for(path):
-                n = d + len(shape) if d < 0 else d
-                if not 0 <= n < len(shape):
-                    raise UnpadError(
-                        f"Buckets(outputs=...) cuts {_show(path)} at dim {d}, but it has "
-                        f"shape {shape}"
-                    )
-                size = plan.sizes[axis]
-                if shape[n] != size:
-                    bucket = _axes_text((self.axes[axis],), (size,))
-                    raise UnpadError(
-                        f"Buckets(outputs=...) cuts {_show(path)} at dim {d}, but it has "
-                        f"{shape[n]} there, not the bucket size {bucket} (shape {shape})"
-                    )
-                cuts.append((n, axis))
-            cuts.sort()
-            return _TensorNode(
-                shape, tuple(d for d, _ in cuts), p.is_contiguous(), tuple(a for _, a in cuts)
-            )
-        if _is_dataclass_instance(p):
-            names = tuple(f.name for f in dataclasses.fields(p))  # type: ignore[arg-type]
-            children = tuple(
-                self._declare(getattr(p, n), _join(path, n), plan, seen, tensor) for n in names
-            )
-            return _DataNode(type(p), names, children)
-        if isinstance(p, dict):
-            keys = tuple(p.keys())
-            children = tuple(self._declare(p[k], _join(path, k), plan, seen, tensor) for k in keys)
-            return _MapNode(type(p), keys, children)
-        if isinstance(p, list | tuple):
-            children = tuple(
-                self._declare(a, _join(path, _part(type(p), i)), plan, seen, tensor)
-                for i, a in enumerate(p)
-            )
-            return _SeqNode(type(p), children)
-        if isinstance(p, _PLAIN):
-            return _LeafNode(type(p))
-        raise UnpadError(
-            f"{_show(path)} is a {type(p).__name__}: safecompile cannot see inside it to "
-            "cut padding back (return tensors, tuples, lists, dicts or dataclasses)"
+    def _declared(self, p: _Tensor, path: str, plan: Plan) -> _TensorNode:
+        """One output tensor's node from the declaration; each dim must be its axis's size."""
+        shape = tuple(p.shape)
+        cuts = []
+        for d, axis in self._declared_for(path):
+            n = d + len(shape) if d < 0 else d
+            if not 0 <= n < len(shape):
+                raise UnpadError(
+                    f"Buckets(outputs=...) cuts {_show(path)} at dim {d}, but it has shape {shape}"
+                )
+            size = plan.sizes[axis]
+            if shape[n] != size:
+                bucket = _axes_text((self.axes[axis],), (size,))
+                raise UnpadError(
+                    f"Buckets(outputs=...) cuts {_show(path)} at dim {d}, but it has "
+                    f"{shape[n]} there, not the bucket size {bucket} (shape {shape})"
+                )
+            cuts.append((n, axis))
+        cuts.sort()
+        return _TensorNode(
+            shape, tuple(d for d, _ in cuts), p.is_contiguous(), tuple(a for _, a in cuts)
         )
 
     def _check_declared(self, spec: CutSpec, plan: Plan) -> None:
         """A learned spec against the declaration (only axes this call pads can show)."""
-        nodes = dict(_tensor_nodes(spec.root, ""))
-        self._check_unknown_paths(set(nodes))
-        padded = plan.padded_axes
+        nodes = dict(_tensor_nodes(spec.root))
+        self._check_paths(set(nodes))
         for path, node in nodes.items():
-            want = [d for d, axis in self._declared_for(path) if padded[axis]]
+            want = [
+                d for d, axis in self._declared_for(path) if plan.sizes[axis] != plan.lengths[axis]
+            ]
             rank = len(node.shape)
             if sorted(d + rank if d < 0 else d for d in want) != list(node.cuts):
                 raise UnpadError(
@@ -1077,15 +954,14 @@ class Bucketer:
                     f"padding changed dims {list(node.cuts)} (padded shape {node.shape})"
                 )
 
-    def _check_unknown_paths(self, seen: set[str]) -> None:
-        declared = self._declared_paths
-        if declared is not None:
-            unknown = sorted(set(declared) - seen)
-            if unknown:
-                raise UnpadError(
-                    f"Buckets(outputs=...) names {unknown}, which the output does not have "
-                    f"as tensors; its tensor paths are {sorted(seen)} ('' is the output itself)"
-                )
+    def _check_paths(self, seen: set[str]) -> None:
+        """Every output path the declaration names must be a tensor of the output."""
+        unknown = sorted(set(self._declared_paths or ()) - seen)
+        if unknown:
+            raise UnpadError(
+                f"Buckets(outputs=...) names {unknown}, which the output does not have "
+                f"as tensors; its tensor paths are {sorted(seen)} ('' is the output itself)"
+            )
 
 
 def _key(key: tuple[Any, ...], declared: bool) -> tuple[Any, ...]:
@@ -1094,70 +970,45 @@ def _key(key: tuple[Any, ...], declared: bool) -> tuple[Any, ...]:
     return (key[0], key[1], key[3]) if declared else key
 
 
-def _tensor_nodes(node: _Node, path: str) -> Iterator[tuple[str, _TensorNode]]:
-    """Every tensor in a spec, with its path."""
-    if isinstance(node, _TensorNode):
-        yield path, node
-    elif isinstance(node, _SeqNode):
-        for i, c in enumerate(node.children):
-            yield from _tensor_nodes(c, _join(path, _part(node.kind, i)))
-    elif isinstance(node, _MapNode):
-        for k, c in zip(node.keys, node.children, strict=True):
-            yield from _tensor_nodes(c, _join(path, k))
-    elif isinstance(node, _DataNode):
-        for n, c in zip(node.names, node.children, strict=True):
-            yield from _tensor_nodes(c, _join(path, n))
-
-
 def _signature_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
     """The memo key of a call of any arity: each positional argument as (shape, dtype)
     for a tensor or its type otherwise, then each keyword as name, (shape, dtype) or
-    type."""
+    type: a prefix-free code, so equal keys mean equal signatures."""
     sig: list[Any] = []
     for a in args:
-        if isinstance(a, _Tensor):
-            sig.append(a.shape)
-            sig.append(a.dtype)
-        else:
-            sig.append(type(a))
+        sig.extend((a.shape, a.dtype) if isinstance(a, _Tensor) else (type(a),))
     for k, v in kwargs.items():
         sig.append(k)
-        if isinstance(v, _Tensor):
-            sig.append(v.shape)
-            sig.append(v.dtype)
-        else:
-            sig.append(type(v))
+        sig.extend((v.shape, v.dtype) if isinstance(v, _Tensor) else (type(v),))
     return tuple(sig)
 
 
 def _normalize_dims(
     found: _Found, problem: str | None
-) -> tuple[dict[str, tuple[tuple[int, int], ...]], list[tuple[str, int, int, int]], str | None]:
+) -> tuple[dict[str, _Dims], list[tuple[str, int, int, int]], str | None]:
     """Each bucketed tensor's (dim, axis) pairs with dims made non-negative (by name), the
     length of each (name, dim, axis, length), and the first problem: ``problem``, a dim
     out of range, or one dim named twice."""
-    lengths: list[tuple[str, int, int, int]] = []  # name, dim, axis, length
-    norm: dict[str, tuple[tuple[int, int], ...]] = {}
-    for slot, _, tensor in found:
+    lengths: list[tuple[str, int, int, int]] = []
+    norm: dict[str, _Dims] = {}
+    for param, _, tensor in found:
         ndim = tensor.dim()
-        dims = tuple((d + ndim if d < 0 else d, a) for d, a in slot.dims)
-        bad = [d for (d, _), (n, _) in zip(slot.dims, dims, strict=True) if not 0 <= n < ndim]
+        dims = tuple((d + ndim if d < 0 else d, a) for d, a in param.dims)
+        bad = [d for (d, _), (n, _) in zip(param.dims, dims, strict=True) if not 0 <= n < ndim]
         if bad:
             problem = problem or (
-                f"{slot.name} has {ndim} dims; bucketed dim {bad[0]} is out of range"
+                f"{param.name} has {ndim} dims; bucketed dim {bad[0]} is out of range"
             )
             continue
         if len({d for d, _ in dims}) != len(dims):
-            problem = problem or f"{slot.name}: one dim is bucketed twice ({list(slot.dims)})"
+            problem = problem or f"{param.name}: one dim is bucketed twice ({list(param.dims)})"
             continue
-        norm[slot.name] = dims
-        lengths.extend((slot.name, d, a, int(tensor.shape[d])) for d, a in dims)
+        norm[param.name] = dims
+        lengths.extend((param.name, d, a, int(tensor.shape[d])) for d, a in dims)
     return norm, lengths, problem
 
 
-def _pad_widths(
-    shape: tuple[int, ...], dims: tuple[tuple[int, int], ...], sizes: tuple[int, ...]
-) -> tuple[int, ...]:
+def _pad_widths(shape: tuple[int, ...], dims: _Dims, sizes: tuple[int, ...]) -> tuple[int, ...]:
     """``F.pad``'s list (last dim first) that pads each (dim, axis) of ``shape`` up to its
     axis's size at the end, with trailing all-zero pairs dropped."""
     pad = [0] * (2 * len(shape))
@@ -1168,50 +1019,7 @@ def _pad_widths(
     return tuple(pad)
 
 
-def _learn_tensor(p: _Tensor, e: object, path: str, plan: Plan) -> _TensorNode:
-    """The cut for one output tensor: the dims that are a padded axis's size padded and
-    its length in eager's ``e``; any other difference raises :class:`UnpadError`."""
-    if not isinstance(e, _Tensor):
-        raise UnpadError(f"{_show(path)}: padded run gave a tensor, unpadded a {type(e).__name__}")
-    ps, es = tuple(p.shape), tuple(e.shape)
-    if len(ps) != len(es):
-        raise UnpadError(
-            f"{_show(path)}: padded run gave shape {ps}, unpadded {es}; cannot cut back"
-        )
-    cuts, axes = [], []
-    ambiguous = False
-    padded = plan.padded_axes
-    for d, (a, b) in enumerate(zip(ps, es, strict=True)):
-        if a == b:
-            continue
-        match = [
-            i
-            for i, (s, n) in enumerate(zip(plan.sizes, plan.lengths, strict=True))
-            if padded[i] and a == s and b == n
-        ]
-        if match:
-            cuts.append(d)
-            axes.append(match[0])
-            ambiguous = ambiguous or len(match) > 1
-            continue
-        raise UnpadError(
-            f"{_show(path)} dim {d}: padded run gave {a}, unpadded {b}; only a dim "
-            f"that is the length ({_axes_text(plan.axes, plan.lengths)}) unpadded and the "
-            f"bucket size ({_axes_text(plan.axes, plan.sizes)}) padded can be cut back"
-        )
-    return _TensorNode(ps, tuple(cuts), e.is_contiguous(), tuple(axes), ambiguous=ambiguous)
-
-
-def _entry(
-    name: str, tensor: _Tensor, dims: tuple[tuple[int, int], ...], sizes: tuple[int, ...]
-) -> tuple[str, tuple[int, ...], torch.dtype]:
-    shape = list(tensor.shape)
-    for d, axis in dims:
-        shape[d] = sizes[axis]
-    return (name, tuple(shape), tensor.dtype)
-
-
-def _table(sizes: tuple[int, ...]) -> list[int] | None:
+def _lookup_table(sizes: tuple[int, ...]) -> list[int] | None:
     """A list lookup from length to bucket size, or ``None`` when sizes are too large."""
     if sizes[-1] > _TABLE_LIMIT:
         return None
@@ -1243,14 +1051,12 @@ def _distinct_lengths(
     return tuple(out)
 
 
-def _declared(
-    policy: Buckets,
-) -> tuple[tuple[tuple[int, int], ...] | None, Mapping[str, tuple[tuple[int, int], ...]] | None]:
+def _declared(policy: Buckets) -> tuple[_Dims | None, Mapping[str, _Dims] | None]:
     """``Buckets(outputs=...)`` as (dim, axis index) pairs: one set for every output
     tensor, or one per output path (the other of the two is ``None``)."""
     index = {a.name: i for i, a in enumerate(policy.axes)}
 
-    def pairs(dims: Any) -> tuple[tuple[int, int], ...]:
+    def pairs(dims: Any) -> _Dims:
         if isinstance(dims, Mapping):
             return tuple((d, index[a]) for d, a in dims.items())
         return tuple((d, 0) for d in ((dims,) if isinstance(dims, int) else dims))
