@@ -1,23 +1,13 @@
 """State around a checked call: what the compiled run changed, undone before eager runs.
 
-A shadow check runs eager *after* the compiled call, on the caller's own tensors (so a
-fallback result carries the caller's gradients). When the compiled run updated state —
-a module buffer in place (a step counter), a rebound buffer (a KV cache grown by
-``torch.cat``), a plain module attribute, an input tensor in place — running eager on
-top would apply the update twice. A :class:`Snapshot`, taken just before the first graph
-of a checked call runs, tells what changed; the check then swaps the state back to how
-it was, runs eager once, and compares the two updates as it compares outputs.
-
-Tensor values are copied only for graphs seen to update tensors in place (learnt on
-their first checked run, whose check is skipped); otherwise a snapshot holds
-references and version counters only.
-
-Python objects the graph's frame updates, as dynamo's record of its side effects names
-them (a KV cache layer whose tensors it rebinds, a config attribute, a list argument:
-:func:`safecompile.guard.graphs.outside_effects`), are copied whole: their attributes or
-items, with tensors cloned (under CUDA graphs the tensors they held may live in a pool
-the compiled run overwrites). Eager reruns on the copy; if the check passes, the
-compiled run's state is put back, so the caller holds the state its outputs came with.
+A shadow check runs eager after the compiled call on the caller's own tensors, so state
+the compiled run updated (a buffer in place or rebound, a plain module attribute, an
+input in place, a Python object its frame stores into) would be updated twice. A
+:class:`Snapshot` taken before the call's first graph tells what changed; the check
+swaps the state back, runs eager once, compares both updates like outputs, and on a pass
+puts the compiled run's state back. Tensor values are copied only for graphs known to
+update tensors in place; Python objects (:func:`safecompile.guard.graphs.outside_effects`)
+are copied whole, tensors cloned (under CUDA graphs they may live in a reused pool).
 """
 
 from __future__ import annotations
@@ -31,11 +21,9 @@ from safecompile.base.torchcompat import pytree
 
 __all__ = ["After", "Snapshot", "contents_of"]
 
-_SKIP_ATTRS = frozenset({"_parameters", "_buffers", "_modules", "training"})
-
 
 def _plain_attrs(module: torch.nn.Module) -> dict[str, Any]:
-    return {k: v for k, v in vars(module).items() if not k.startswith("_") and k not in _SKIP_ATTRS}
+    return {k: v for k, v in vars(module).items() if not k.startswith("_") and k != "training"}
 
 
 @dataclass(slots=True)
@@ -59,9 +47,8 @@ class After:
 
     def compiled_value(self, value: Any) -> Any:
         """``value`` as the compiled run left it: a tensor it updated in place (put back
-        since, for eager) is read from the copy of the compiled run's values. So an
-        output or a state that *is* such a tensor — a CUDA graph's static output, fed
-        back as the next call's state — is compared with what the compiled run wrote."""
+        since, for eager) is read from the copy of its compiled value (a CUDA graph's
+        static output fed back as state is compared with what the compiled run wrote)."""
         saved = {id(t): v for t, v in self.tensors}
         if not saved:
             return value
@@ -70,12 +57,10 @@ class After:
     def object_states(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """What the compiled run and eager left in each Python object, by its name."""
         compiled = {o.name: _comparable(self.compiled_value(c)) for o, c, _ in self.objects}
-        eager = {o.name: _comparable(e) for o, _, e in self.objects}
-        return compiled, eager
+        return compiled, {o.name: _comparable(e) for o, _, e in self.objects}
 
     def keep_compiled(self) -> None:
-        """The check passed: the caller keeps the compiled run's state, the one its
-        outputs came with (eager's was only for the comparison)."""
+        """The check passed: the caller keeps the state its compiled outputs came with."""
         with torch.no_grad():
             for t, compiled in self.tensors:
                 t.copy_(compiled)
@@ -103,9 +88,8 @@ class After:
         ]
 
     def _moved(self) -> set[int]:
-        """Tensors updated in place whose place (a buffer, an object's attribute) the
-        compiled run or eager rebound to another tensor: compared by their place, not in
-        place (the two runs may alias differently)."""
+        """Tensors updated in place whose place (a buffer, an object's attribute) either
+        run rebound: compared by their place (the two runs may alias differently)."""
         moved = {id(c) for _, _, c, e in self.rebound if c is not e} | self.left
         for o, compiled, eager in self.objects:
             if isinstance(compiled, dict) and isinstance(eager, dict):
@@ -138,9 +122,7 @@ class Snapshot:
     modules: list[_ModuleState] = field(default_factory=list)
     objects: list[_Object] = field(default_factory=list)
     problem: str | None = None  # a named object that could not be found or copied
-    # CUDA graphs: a replay writes its static inputs without bumping version counters, so
-    # a copied tensor is also compared by value (see _in_place)
-    by_value: bool = False
+    by_value: bool = False  # CUDA graphs: replays write inputs without a version bump
     _updated: list[tuple[torch.Tensor, int, torch.Tensor | None]] | None = None
 
     @classmethod
@@ -173,8 +155,8 @@ class Snapshot:
         return cls(tensors, modules, by_value=by_value)
 
     def add_objects(self, found: list[tuple[str, Any, Keys]], lost: str | None = None) -> None:
-        """Before a graph runs: copy the Python objects its frame will update (see the
-        module doc); ``lost`` names one that could not be found."""
+        """Before a graph runs: copy the Python objects its frame will update; ``lost``
+        names one that could not be found."""
         for name, obj, keys in found:
             if any(o.obj is obj and o.keys == keys for o in self.objects):
                 continue  # an earlier graph of the call named it: its copy is older
@@ -231,8 +213,7 @@ class Snapshot:
         return After(tensors, rebound, attrs, objects)
 
     def settle(self, after: After) -> After:
-        """After eager ran: fill in eager's side of every update, for the comparison
-        (a buffer eager rebound where the compiled run updated it in place included)."""
+        """After eager ran: fill in eager's side of every update, for the comparison."""
         after.rebound = [(m, n, c, m._buffers.get(n)) for m, n, c, _ in after.rebound]
         listed = {(id(m), n) for m, n, _, _ in after.rebound}
         for state in self.modules:
@@ -253,9 +234,8 @@ class Snapshot:
         return after
 
     def _in_place(self) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
-        """The tensors updated in place since the snapshot: their version counter moved,
-        or (``by_value``, for CUDA graphs' replays) their values differ from the copy.
-        Read once after the call, before anything is put back."""
+        """The tensors updated in place since the snapshot (version moved, or with
+        ``by_value`` values differ); read once, before anything is put back."""
         if self._updated is None:
             self._updated = [
                 (t, version, saved)
@@ -294,9 +274,9 @@ class _Object:
 
 
 def contents_of(obj: Any, keys: Keys) -> Any:
-    """What an object holds, as references: a list's items, a dict's (or those ``keys``
-    of it), a set, or the attributes ``keys`` (all of ``vars()`` when ``None``); raises
-    ``TypeError`` for an object none of these fit."""
+    """What an object holds, as references: a list's or set's items, a dict's (or its
+    ``keys``), or the attributes ``keys`` (all of ``vars()`` when ``None``); else
+    ``TypeError``."""
     if isinstance(obj, list):
         return list(obj)
     if isinstance(obj, set):
@@ -314,10 +294,9 @@ def contents_of(obj: Any, keys: Keys) -> Any:
 
 
 def _put(obj: Any, keys: Keys, target: Any, *, unless: Any = None) -> None:
-    """Make the object hold ``target`` again (only what differs is written). With
-    ``unless`` (what it held before), an entry still holding the same value is left
-    alone: a tensor updated in place is put back by value (:meth:`Snapshot.swap_back`),
-    and eager must update that very tensor."""
+    """Make the object hold ``target`` again, writing only what differs. An entry still
+    holding its value from ``unless`` is left alone: a tensor updated in place is put
+    back by value, and eager must update that very tensor."""
     if isinstance(obj, list):
         if unless is None or _differs(unless, contents_of(obj, keys)):
             obj[:] = target
@@ -364,8 +343,7 @@ def _cloned(contents: Any) -> Any:
 
 
 def _same(a: Any, b: Any) -> bool:
-    """Whether a store left a value as it was: the same object, or an equal plain value
-    (a config attribute set again to what it held is not an update)."""
+    """The same object, or an equal plain value (a setting stored again is no update)."""
     if a is b:
         return True
     if type(a) is not type(b) or not isinstance(a, str | int | float | bool | bytes | tuple):
@@ -387,6 +365,5 @@ def _differs(before: Any, now: Any) -> bool:
 
 
 def _comparable(contents: Any) -> Any:
-    """Contents as :func:`~safecompile.checks.compare.compare` walks them (a set by
-    ``==``, as a frozenset)."""
+    """Contents as :func:`~safecompile.checks.compare.compare` walks them (a set frozen)."""
     return frozenset(contents) if isinstance(contents, set) else contents

@@ -141,33 +141,26 @@ def _axes_text(axes: tuple[str | None, ...], values: tuple[int, ...]) -> str:
 
 
 class _Node:
-    __slots__ = ("cuts_any",)
-    cuts_any: bool
+    __slots__ = ()
+    cuts_any: bool  # whether anything below is cut (if not, the output is passed as it is)
 
     def apply(self, obj: Any, lengths: tuple[int, ...], path: str) -> Any:
         raise NotImplementedError
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _TensorNode(_Node):
     """One output tensor: its padded shape, and each cut dim with the axis it follows."""
 
-    __slots__ = ("ambiguous", "axes", "contiguous", "cuts", "shape")
+    shape: tuple[int, ...]
+    cuts: tuple[int, ...]
+    contiguous: bool
+    axes: tuple[int, ...]
+    ambiguous: bool = False  # a cut dim that matched several axes in this call
+    cuts_any: bool = dataclasses.field(init=False)
 
-    def __init__(
-        self,
-        shape: tuple[int, ...],
-        cuts: tuple[int, ...],
-        contiguous: bool,
-        axes: tuple[int, ...],
-        *,
-        ambiguous: bool = False,
-    ) -> None:
-        self.shape = shape
-        self.cuts = cuts
-        self.axes = axes
-        self.contiguous = contiguous
-        self.cuts_any = bool(cuts)
-        self.ambiguous = ambiguous  # a cut dim that matched several axes in this call
+    def __post_init__(self) -> None:
+        self.cuts_any = bool(self.cuts)
 
     def apply(self, obj: Any, lengths: tuple[int, ...], path: str) -> Any:
         if not isinstance(obj, _Tensor):
@@ -187,7 +180,7 @@ class _TensorNode(_Node):
 class _LeafNode(_Node):
     """A non-tensor value kept as it is (None, numbers, strings)."""
 
-    __slots__ = ("kind",)
+    __slots__ = ("cuts_any", "kind")
 
     def __init__(self, kind: type[Any]) -> None:
         self.kind = kind
@@ -206,7 +199,7 @@ class _Branch(_Node):
     by index, a dict (keys compared in order) by key, a dataclass (``transformers``
     ``ModelOutput`` included) by field."""
 
-    __slots__ = ("children", "form", "keys", "kind", "parts")
+    __slots__ = ("children", "cuts_any", "form", "keys", "kind", "parts")
 
     def __init__(
         self, kind: type[Any], form: _Form, keys: tuple[Any, ...], children: tuple[_Node, ...]
@@ -546,7 +539,7 @@ class Bucketer:
         self._sizes = tuple(a.sizes for a in policy.axes)
         self._tables = tuple(_lookup_table(sizes) for sizes in self._sizes)
         self._memo: dict[tuple[Any, ...], Plan | None] = {}
-        self._declared_all, self._declared_paths = _declared(policy)
+        self._declared = _declared(policy)
 
     @property
     def _table(self) -> list[int] | None:  # the first axis's lookup table (tests read it)
@@ -853,7 +846,9 @@ class Bucketer:
         size in ``padded_out`` (else :class:`UnpadError`)."""
         if self.policy.outputs is None:
             raise ValueError("Buckets(outputs=...) is None: the cut must be learned")
-        root = _walk(padded_out, _NO_EAGER, "", lambda p, _, path: self._declared(p, path, plan))
+        root = _walk(
+            padded_out, _NO_EAGER, "", lambda p, _, path: self._declared_node(p, path, plan)
+        )
         self._check_paths({path for path, _ in _tensor_nodes(root)})
         return CutSpec(plan.key, plan.sizes, "declared", root, self.axes)
 
@@ -911,12 +906,10 @@ class Bucketer:
 
     def _declared_for(self, path: str) -> _Dims:
         """The declared cut dims of one output path, each with its axis index."""
-        if self._declared_paths is not None:
-            return self._declared_paths.get(path, ())
-        assert self._declared_all is not None
-        return self._declared_all
+        declared = self._declared
+        return declared.get(path, ()) if isinstance(declared, dict) else declared or ()
 
-    def _declared(self, p: _Tensor, path: str, plan: Plan) -> _TensorNode:
+    def _declared_node(self, p: _Tensor, path: str, plan: Plan) -> _TensorNode:
         """One output tensor's node from the declaration; each dim must be its axis's size."""
         shape = tuple(p.shape)
         cuts = []
@@ -956,7 +949,8 @@ class Bucketer:
 
     def _check_paths(self, seen: set[str]) -> None:
         """Every output path the declaration names must be a tensor of the output."""
-        unknown = sorted(set(self._declared_paths or ()) - seen)
+        declared = self._declared
+        unknown = sorted(set(declared) - seen) if isinstance(declared, dict) else []
         if unknown:
             raise UnpadError(
                 f"Buckets(outputs=...) names {unknown}, which the output does not have "
@@ -1051,9 +1045,9 @@ def _distinct_lengths(
     return tuple(out)
 
 
-def _declared(policy: Buckets) -> tuple[_Dims | None, Mapping[str, _Dims] | None]:
+def _declared(policy: Buckets) -> dict[str, _Dims] | _Dims | None:
     """``Buckets(outputs=...)`` as (dim, axis index) pairs: one set for every output
-    tensor, or one per output path (the other of the two is ``None``)."""
+    tensor, or a dict of one per output path."""
     index = {a.name: i for i, a in enumerate(policy.axes)}
 
     def pairs(dims: Any) -> _Dims:
@@ -1063,10 +1057,10 @@ def _declared(policy: Buckets) -> tuple[_Dims | None, Mapping[str, _Dims] | None
 
     declared = policy.outputs
     if declared is None:
-        return None, None
+        return None
     if isinstance(declared, Mapping) and all(isinstance(k, str) for k in declared):
-        return None, {str(path): pairs(dims) for path, dims in declared.items()}
-    return pairs(declared), None
+        return {str(path): pairs(dims) for path, dims in declared.items()}
+    return pairs(declared)
 
 
 def _fits(value: float, dtype: torch.dtype) -> bool:

@@ -1,12 +1,6 @@
-"""The guard's bucket hooks: one entry per bucket (padded key), verified before use.
-
-:mod:`safecompile.shapes.buckets` knows how to plan, pad and cut back; this module keeps what
-the guard learnt about each bucket: whether its padding was verified against unpadded
-eager (and the output cut that goes with it), whether it was rejected, and its calls
-and padding waste. Entries are keyed by the bucket's padded input signature, at most
-:data:`MAX_BUCKETS` of them (the oldest forgotten first): a forgotten bucket is simply
-verified again.
-"""
+"""What the guard learnt about each bucket (plan key): verified with its output cut, or
+rejected, and its calls and padding waste. At most :data:`MAX_BUCKETS` entries, the
+oldest forgotten first (a forgotten bucket is simply verified again)."""
 
 from __future__ import annotations
 
@@ -24,16 +18,9 @@ import torch
 from safecompile.base import torchcompat
 from safecompile.observe.log import torch_missing
 
-from .buckets import Bucketer, CutSpec, Plan, resolve_strategy
+from .buckets import Bucketer, CutSpec, Plan
 
-__all__ = [
-    "MAX_BUCKETS",
-    "BucketEntry",
-    "BucketStatus",
-    "BucketTable",
-    "resolve_strategy",
-    "unmark",
-]
+__all__ = ["MAX_BUCKETS", "BucketEntry", "BucketStatus", "BucketTable", "unmark"]
 
 MAX_BUCKETS = 1024
 
@@ -56,17 +43,15 @@ class BucketEntry:
     padded_calls: int = 0
     padded_elements: int = 0
     real_elements: int = 0
-    # Across restarts (:mod:`._restart`): the plan key the verdict is stored under, whether
-    # it was looked up, what an earlier process found ("verified"/"rejected"), and its
-    # saved cut until the first padded output rebuilds it.
+    # Across restarts (persist.restart): the plan key, whether its verdict was looked up,
+    # what an earlier process found ("verified"/"rejected"), and its saved cut.
     key: Hashable = None
     looked_up: bool = False
     restored: str | None = None
     saved: list[Any] | None = None
 
     def count(self, plan: Plan, *, padded: bool) -> None:
-        """One call served; padding waste is counted over the bucketed dims (with
-        several axes, the product of their sizes against that of their lengths)."""
+        """One call served; padding waste counts the bucketed dims' elements."""
         self.calls += 1
         if padded:
             real = math.prod(plan.lengths)
@@ -132,15 +117,10 @@ class BucketTable:
     def mark_range(
         self, plan: Plan, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> list[tuple[torch.Tensor, dict[str, Any]]]:
-        """``strategy="dynamic"``: bound the graph for this bucket to its range of lengths,
-        on each axis (an axis whose range holds one length, or only a length dynamo
-        specialises, 0 or 1, stays static).
-
-        Marks every bucketed tensor of the call and returns what :func:`unmark` needs to
-        take the marks off again: ``mark_dynamic`` writes attributes on the caller's
-        tensors, and left there they would make every other compiled function those
-        tensors reach recompile.
-        """
+        """``strategy="dynamic"``: mark each bucketed dim dynamic over its bucket's range
+        (one length, or only 0 or 1, stays static). Returns what :func:`unmark` needs:
+        left on the caller's tensors, the marks would recompile every other compiled
+        function they reach."""
         ranges: dict[int, tuple[int, int]] = {}
         for axis, spec in enumerate(self.bucketer.policy.axes):
             size, length = plan.sizes[axis], plan.lengths[axis]
