@@ -68,15 +68,10 @@ class _Target:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class Plan:
-    """What to do with one call's bucketed arguments.
-
-    ``lengths`` and ``sizes`` hold one value per axis of the policy. ``status`` is
-    ``"bucketed"`` (pad each length up to its size), ``"oversize"`` (a length is past its
-    axis's largest size; ``sizes == lengths``) or ``"unbucketable"`` (``reason`` says why;
-    run unpadded). ``key`` names one padded input signature (status, sizes, which axes
-    are padded, and each top-level tensor's padded shape and dtype): one graph and one
-    :class:`CutSpec` serve a key.
-    """
+    """What to do with one call's bucketed arguments: ``"bucketed"`` (pad each axis's
+    length up to its size), ``"oversize"`` or ``"unbucketable"`` (``reason``); then
+    ``sizes == lengths``. ``key`` names one padded input signature (status, sizes, padded
+    axes, top-level tensors' padded shapes and dtypes): one graph and cut serve a key."""
 
     key: tuple[Any, ...]
     status: Status
@@ -195,9 +190,8 @@ class _LeafNode(_Node):
 
 
 class _Branch(_Node):
-    """A container walked by its keys: a tuple or list (plain, named or a struct sequence)
-    by index, a dict (keys compared in order) by key, a dataclass (``transformers``
-    ``ModelOutput`` included) by field."""
+    """A container walked by its keys: a tuple or list (named, struct sequences) by
+    index, a dict by key (in order), a dataclass (``ModelOutput``) by field."""
 
     __slots__ = ("children", "cuts_any", "form", "keys", "kind", "parts")
 
@@ -304,8 +298,8 @@ def _show(path: str) -> str:
 
 
 def _walk(p: object, e: object, path: str, tensor: Callable[[_Tensor, Any, str], _Node]) -> _Node:
-    """The spec node of padded output ``p``, made by ``tensor(p, e, path)`` for each tensor.
-    ``e`` is unpadded eager's output (it must have ``p``'s structure), or :data:`_NO_EAGER`."""
+    """The spec node of padded output ``p``, ``tensor(p, e, path)`` for each tensor; ``e``
+    is eager's output (of the same structure), or :data:`_NO_EAGER`."""
     if isinstance(p, _Tensor):
         return tensor(p, e, path)
     learning = e is not _NO_EAGER
@@ -376,13 +370,12 @@ class CutSpec:
 
     @property
     def ambiguous(self) -> bool:
-        """Whether a cut dim matched several axes (equal sizes and lengths) when learned:
-        right for that call, but not known for the key's other calls."""
+        """Whether a cut dim matched several axes when learned (right for that call only)."""
         return any(n.ambiguous for _, n in _tensor_nodes(self.root))
 
     def saved(self) -> list[list[Any]]:
-        """Every output tensor as ``[path, padded shape, [[dim, axis], ...], contiguous]``:
-        plain JSON, for :meth:`Bucketer.restored_cuts` in a later process."""
+        """Every output tensor as JSON for :meth:`Bucketer.restored_cuts` in a later process:
+        ``[path, padded shape, [[dim, axis], ...], contiguous]``."""
         return [
             [path, list(n.shape), [list(c) for c in zip(n.cuts, n.axes, strict=True)], n.contiguous]
             for path, n in _tensor_nodes(self.root)
@@ -401,8 +394,7 @@ class CutSpec:
 
 
 def _learn_tensor(p: _Tensor, e: object, path: str, plan: Plan) -> _TensorNode:
-    """The cut for one output tensor: the dims that are a padded axis's size padded and
-    its length in eager's ``e``; any other difference raises :class:`UnpadError`."""
+    """The cut for one output tensor: the dims at a padded axis's size, its length in ``e``."""
     if not isinstance(e, _Tensor):
         raise UnpadError(f"{_show(path)}: padded run gave a tensor, unpadded a {type(e).__name__}")
     ps, es = tuple(p.shape), tuple(e.shape)
@@ -445,10 +437,8 @@ def resolve_strategy(
     options: Mapping[str, Any] | None = None,
     dynamic: bool | None = None,
 ) -> Strategy:
-    """The strategy ``Buckets(strategy="auto")`` means for these compile options:
-    ``"pad"`` where the compiled code needs static shapes (CUDA graphs, see
-    :func:`uses_cudagraphs`, or ``dynamic=False``), ``"dynamic"`` otherwise. An explicit
-    ``"pad"`` or ``"dynamic"`` is returned as it is."""
+    """What ``strategy="auto"`` means for these compile options: ``"pad"`` where the
+    compiled code needs static shapes (CUDA graphs, ``dynamic=False``), else ``"dynamic"``."""
     if policy.strategy != "auto":
         return policy.strategy
     if dynamic is False or backend in _CUDAGRAPH_BACKENDS:
@@ -462,8 +452,7 @@ def uses_cudagraphs(
     backend: str, mode: str | None = None, options: Mapping[str, Any] | None = None
 ) -> bool:
     """Whether these compile options run CUDA graphs: the ``"cudagraphs"`` backend, or
-    inductor with a ``mode`` that turns on ``triton.cudagraphs`` (``"reduce-overhead"``,
-    ``"max-autotune"``) or that option itself."""
+    inductor with ``triton.cudagraphs`` on (set by itself or by the ``mode``)."""
     if backend in _CUDAGRAPH_BACKENDS:
         return True
     settings: dict[str, Any] = {}
@@ -492,12 +481,9 @@ _Found = list[tuple[_Param, int | str, _Tensor]]  # each bucketed tensor, and wh
 class Bucketer:
     """Pads one callable's bucketed arguments and cuts its outputs back.
 
-    ``fn`` is what the arguments given to :meth:`plan` are for: a function, a bound
-    method or an ``nn.Module`` (the arguments of its ``forward`` without ``self``). Each
-    name in ``policy.dims`` must be one of its parameters (or ``fn`` must take
-    ``**kwargs``), otherwise :class:`ConfigError`. ``strategy`` is the resolved one
-    (:func:`resolve_strategy`). Thread-safe: the only shared state is a memo dict,
-    filled idempotently.
+    ``fn`` (a function, bound method or ``nn.Module``) must have a parameter for each
+    name in ``policy.dims`` (or take ``**kwargs``), else :class:`ConfigError`.
+    Thread-safe: the only shared state is a memo dict, filled idempotently.
     """
 
     def __init__(
@@ -548,8 +534,7 @@ class Bucketer:
     # -- per call
 
     def bucket(self, length: int, axis: int = 0) -> int | None:
-        """The smallest size of ``axis`` (an index into ``policy.axes``) that holds
-        ``length``, or ``None`` when it is too long."""
+        """The smallest size of ``axis`` that holds ``length`` (``None``: too long)."""
         table = self._tables[axis]
         if table is not None:
             return table[length] if length < len(table) else None
@@ -656,8 +641,7 @@ class Bucketer:
     def _targets(
         self, found: _Found, norm: Mapping[str, _Dims], sizes: tuple[int, ...]
     ) -> tuple[tuple[_Target, ...], str | None]:
-        """How to pad each bucketed tensor up to its axes' ``sizes``, or a pad value that
-        cannot be used (then no targets)."""
+        """How to pad each bucketed tensor, or why its pad value cannot be used."""
         targets = []
         for param, where, tensor in found:
             value = self.policy.pad_for(param.name)
@@ -700,8 +684,7 @@ class Bucketer:
         autograd flows back through it); other arguments are passed through untouched."""
         if not plan.targets:
             return args, kwargs if isinstance(kwargs, dict) else dict(kwargs)
-        new_args = list(args)
-        new_kwargs = dict(kwargs)
+        padded = []
         for t in plan.targets:
             tensor = args[t.where] if isinstance(t.where, int) else kwargs[t.where]
             if not isinstance(tensor, _Tensor) or tensor.shape != t.shape:
@@ -709,19 +692,14 @@ class Bucketer:
                     f"{t.name} does not match the plan: expected shape {t.shape}, got "
                     f"{getattr(tensor, 'shape', type(tensor).__name__)}"
                 )
-            padded = F.pad(tensor, t.pad, value=t.value)
-            if isinstance(t.where, int):
-                new_args[t.where] = padded
-            else:
-                new_kwargs[t.where] = padded
-        return tuple(new_args), new_kwargs
+            padded.append((t.where, F.pad(tensor, t.pad, value=t.value)))
+        return _replaced(args, kwargs, padded)
 
     # -- warmup
 
     def warmup_lengths(self, axis: int = 0) -> tuple[int, ...]:
-        """One length per size of ``axis``: ``size - 1`` (padded by one, so the bucket's
-        cut is learned and its padding checked before any traffic), or the size itself
-        when its bucket holds that one length."""
+        """One length per size of ``axis``: ``size - 1``, padded by one so the bucket's
+        cut is learned and checked before traffic (the size where it is alone)."""
         out = []
         previous = 0
         for size in self._sizes[axis]:
@@ -730,19 +708,15 @@ class Bucketer:
         return tuple(out)
 
     def warmup_calls(self) -> tuple[tuple[int, ...], ...]:
-        """The lengths (one per axis) of the calls that warm every combination of sizes
-        up. With ``strategy="pad"`` each mix of padded and exactly fitting axes is
-        verified too, with lengths picked so that no two padded axes share a size and a
-        length (which would leave their output dims ambiguous)."""
+        """The lengths (one per axis) of the warmup calls: each combination of sizes, and
+        with ``strategy="pad"`` each mix of padded and fitting axes, no two padded axes
+        sharing a size and a length (their output dims would be ambiguous)."""
+        if self.strategy == "dynamic":
+            return tuple(itertools.product(*map(self.warmup_lengths, range(len(self.axes)))))
         per_axis = [list(zip(sizes, [0, *sizes[:-1]], strict=True)) for sizes in self._sizes]
         calls: list[tuple[int, ...]] = []
         for combo in itertools.product(*per_axis):
             paddable = [size - 1 > low for size, low in combo]
-            if self.strategy == "dynamic":
-                calls.append(
-                    tuple(s - 1 if p else s for (s, _), p in zip(combo, paddable, strict=True))
-                )
-                continue
             choices = [(True, False) if p else (False,) for p in paddable]
             for mask in itertools.product(*choices):
                 if any(paddable) and not any(mask):
@@ -753,9 +727,8 @@ class Bucketer:
         return tuple(calls)
 
     def warmup_specialised(self) -> tuple[tuple[int, ...], ...]:
-        """With ``strategy="dynamic"``, the extra warmup calls for length 1 on each axis
-        whose first size is larger (torch specialises it: a static graph of its own), in
-        every combination with the other axes' ranges."""
+        """``strategy="dynamic"``: the warmup calls with length 1 on an axis whose first
+        size is larger (torch specialises 1: a static graph of its own)."""
         if self.strategy != "dynamic":
             return ()
         per_axis = [
@@ -784,17 +757,15 @@ class Bucketer:
     def resize(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any], lengths: int | tuple[int, ...]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """An example call with each bucketed dim made its axis's length (``lengths``: one
-        per axis, or one int for all): cut when longer, tiled when shorter (so masks and
-        ids stay realistic). Other arguments are untouched."""
+        """An example call with each bucketed dim made its axis's length: cut when longer,
+        tiled when shorter (masks and ids stay realistic)."""
         if isinstance(lengths, int):
             lengths = (lengths,) * len(self.axes)
         self.check_dims(args, kwargs)
         found, problem = self._find(args, kwargs)
         if problem is not None:
             raise PadError(f"cannot resize the example: {problem}")
-        new_args = list(args)
-        new_kwargs = dict(kwargs)
+        resized = []
         for param, where, tensor in found:
             t = tensor
             for d, axis in param.dims:
@@ -810,25 +781,15 @@ class Bucketer:
                 t = t.narrow(d, 0, length)
             # Plain strides, like live traffic's: dynamo guards on a view's base and on
             # strides, so a view would compile graphs of its own.
-            t = t.clone(memory_format=torch.contiguous_format)
-            if isinstance(where, int):
-                new_args[where] = t
-            else:
-                new_kwargs[where] = t
-        return tuple(new_args), new_kwargs
+            resized.append((where, t.clone(memory_format=torch.contiguous_format)))
+        return _replaced(args, kwargs, resized)
 
     # -- outputs
 
     def learn_cuts(self, plan: Plan, padded_out: object, eager_out: object) -> CutSpec:
-        """Learn the cut for ``plan.key`` from one padded output and eager's output.
-
-        A dim is cut where the padded output has a padded axis's size and eager's has its
-        length; dims equal in both are kept. Any other difference raises
-        :class:`UnpadError`, as does a result that contradicts ``Buckets(outputs=...)``.
-        Values are not compared (the shadow check's job). Needs ``plan.padded``.
-        Two padded axes with equal sizes and lengths make their dims indistinguishable:
-        the spec is then right for this call only (:attr:`CutSpec.ambiguous`).
-        """
+        """The cut for ``plan.key`` from one padded output and eager's: a dim is cut where
+        the padded output has a padded axis's size and eager's its length; any other
+        difference raises :class:`UnpadError`. Values are the shadow check's business."""
         if not plan.padded:
             raise ValueError(
                 f"nothing to learn: length {_axes_text(plan.axes, plan.lengths)} is the bucket "
@@ -841,9 +802,7 @@ class Bucketer:
         return spec
 
     def declared_cuts(self, plan: Plan, padded_out: object) -> CutSpec:
-        """The cut for ``plan.key`` from ``Buckets(outputs=...)``, without eager (also for
-        a call whose length is the bucket size). Each declared dim must have its axis's
-        size in ``padded_out`` (else :class:`UnpadError`)."""
+        """The cut for ``plan.key`` from ``Buckets(outputs=...)``, without eager."""
         if self.policy.outputs is None:
             raise ValueError("Buckets(outputs=...) is None: the cut must be learned")
         root = _walk(
@@ -853,9 +812,8 @@ class Bucketer:
         return CutSpec(plan.key, plan.sizes, "declared", root, self.axes)
 
     def restored_cuts(self, plan: Plan, padded_out: object, saved: list[Any]) -> CutSpec:
-        """The cut for ``plan.key`` from :meth:`CutSpec.saved` of an earlier process. The
-        output must hold exactly the tensors and padded shapes saved, each cut dim at its
-        axis's size; anything else raises :class:`UnpadError` (learn again)."""
+        """The cut for ``plan.key`` from :meth:`CutSpec.saved` of an earlier process;
+        :class:`UnpadError` unless the output has exactly the tensors saved."""
         nodes: dict[str, _TensorNode] = {}
         for path, shape, cuts, contiguous in saved:
             node = _TensorNode(
@@ -886,10 +844,8 @@ class Bucketer:
         return CutSpec(plan.key, plan.sizes, "learned", root, self.axes)
 
     def unpad(self, plan: Plan, out: _T, cuts: CutSpec | None) -> _T:
-        """``out`` with the spec's dims cut to their axes' ``plan.lengths`` (views where
-        contiguous like eager's, else a copy); an unpadded plan returns ``out`` as it is.
-        Raises :class:`UnpadError` when the spec was made for another key or the output
-        differs from it: nothing is ever cut on a guess."""
+        """``out`` with the spec's dims cut back to ``plan.lengths``; :class:`UnpadError`
+        when the spec was made for another key or the output differs from it."""
         if not plan.padded:
             return out
         if cuts is None:
@@ -958,16 +914,28 @@ class Bucketer:
             )
 
 
+def _replaced(
+    args: tuple[Any, ...], kwargs: Mapping[str, Any], new: list[tuple[int | str, _Tensor]]
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The call's arguments with some replaced, each by its position or keyword."""
+    new_args = list(args)
+    new_kwargs = dict(kwargs)
+    for where, value in new:
+        if isinstance(where, int):
+            new_args[where] = value
+        else:
+            new_kwargs[where] = value
+    return tuple(new_args), new_kwargs
+
+
 def _key(key: tuple[Any, ...], declared: bool) -> tuple[Any, ...]:
-    """A plan key to match a spec by: a declared cut holds whichever axes a call pads
-    (cutting an exactly fitting axis is a no-op), so it leaves out which are padded."""
+    """A plan key to match a spec by: a declared cut serves whichever axes a call pads."""
     return (key[0], key[1], key[3]) if declared else key
 
 
 def _signature_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[Any, ...]:
-    """The memo key of a call of any arity: each positional argument as (shape, dtype)
-    for a tensor or its type otherwise, then each keyword as name, (shape, dtype) or
-    type: a prefix-free code, so equal keys mean equal signatures."""
+    """The memo key of any call: each argument as (shape, dtype) or its type, keywords
+    with their names; a prefix-free code, so equal keys mean equal signatures."""
     sig: list[Any] = []
     for a in args:
         sig.extend((a.shape, a.dtype) if isinstance(a, _Tensor) else (type(a),))
@@ -980,9 +948,8 @@ def _signature_key(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> tuple[An
 def _normalize_dims(
     found: _Found, problem: str | None
 ) -> tuple[dict[str, _Dims], list[tuple[str, int, int, int]], str | None]:
-    """Each bucketed tensor's (dim, axis) pairs with dims made non-negative (by name), the
-    length of each (name, dim, axis, length), and the first problem: ``problem``, a dim
-    out of range, or one dim named twice."""
+    """Each bucketed tensor's (dim, axis) pairs, dims non-negative, by name; each
+    (name, dim, axis, length); and the first problem (a dim out of range or twice)."""
     lengths: list[tuple[str, int, int, int]] = []
     norm: dict[str, _Dims] = {}
     for param, _, tensor in found:
@@ -1003,8 +970,7 @@ def _normalize_dims(
 
 
 def _pad_widths(shape: tuple[int, ...], dims: _Dims, sizes: tuple[int, ...]) -> tuple[int, ...]:
-    """``F.pad``'s list (last dim first) that pads each (dim, axis) of ``shape`` up to its
-    axis's size at the end, with trailing all-zero pairs dropped."""
+    """``F.pad``'s list (last dim first) padding each dim up to its axis's size."""
     pad = [0] * (2 * len(shape))
     for d, axis in dims:
         pad[2 * (len(shape) - 1 - d) + 1] = sizes[axis] - shape[d]
@@ -1026,9 +992,8 @@ def _lookup_table(sizes: tuple[int, ...]) -> list[int] | None:
 def _distinct_lengths(
     combo: tuple[tuple[int, int], ...], mask: tuple[bool, ...]
 ) -> tuple[int, ...] | None:
-    """Warmup lengths for one combination of (size, exclusive lower bound): the size
-    where ``mask`` is off, else the longest padded length whose (size, length) no
-    earlier padded axis has; ``None`` when an axis has no such length left."""
+    """Warmup lengths for (size, exclusive lower bound) per axis: the size where
+    ``mask`` is off, else the longest length no earlier padded axis has with that size."""
     taken: set[tuple[int, int]] = set()
     out = []
     for (size, low), padded in zip(combo, mask, strict=True):
@@ -1046,8 +1011,7 @@ def _distinct_lengths(
 
 
 def _declared(policy: Buckets) -> dict[str, _Dims] | _Dims | None:
-    """``Buckets(outputs=...)`` as (dim, axis index) pairs: one set for every output
-    tensor, or a dict of one per output path."""
+    """``Buckets(outputs=...)`` as (dim, axis index) pairs, or a dict of them by path."""
     index = {a.name: i for i, a in enumerate(policy.axes)}
 
     def pairs(dims: Any) -> _Dims:
