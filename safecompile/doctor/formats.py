@@ -6,64 +6,21 @@ of graphs, a duration and a check's status the same way, from here.
 
 from __future__ import annotations
 
-import linecache
 import os
 
-import torch
-
-__all__ = [
-    "TAGS",
-    "describe",
-    "graphs",
-    "kind",
-    "message_lines",
-    "qualname",
-    "secs",
-    "shown_path",
-    "source_line",
-    "where",
-]
+__all__ = ["TAGS", "graphs", "message_lines", "secs", "where"]
 
 TAGS = {"pass": "PASS", "warn": "WARN", "fail": "FAIL", "skip": "SKIP"}
-
-
-def describe(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        dtype = str(value.dtype).removeprefix("torch.")
-        where = "" if value.device.type == "cpu" else f"@{value.device}"
-        return f"{dtype}[{', '.join(map(str, value.shape))}]{where}"
-    if isinstance(value, list | tuple) and len(value) <= 8:
-        inner = ", ".join(describe(v) for v in value)
-        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
-    return type(value).__name__
-
-
-def kind(value: object) -> str:
-    if value is None:
-        return "None"
-    name = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
-    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
-
-
-def qualname(fn: object) -> str:
-    return str(getattr(fn, "__qualname__", None) or type(fn).__qualname__)
-
-
-def source_line(file: str | None, line: int | None) -> str | None:
-    if not file or not line:
-        return None
-    text = linecache.getline(file, line).strip()
-    return text or None
 
 
 def where(file: object, line: object, function: object) -> str:
     if not isinstance(file, str):
         return "(unknown location)"
-    place = shown_path(file) + (f":{line}" if isinstance(line, int) else "")
+    place = _shown_path(file) + (f":{line}" if isinstance(line, int) else "")
     return place + (f" in {function}" if function else "")
 
 
-def shown_path(file: str) -> str:
+def _shown_path(file: str) -> str:
     try:
         rel = os.path.relpath(file)
     except ValueError:  # another drive

@@ -15,12 +15,14 @@ from __future__ import annotations
 import base64
 import html
 import io
+import itertools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .formats import TAGS, graphs, secs, where
-from .report import Check, Report
+from .report import Check, Report, Timing
+from .text import counts
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -71,18 +73,12 @@ def render_html(report: Report) -> str:
     return _PAGE.format(title=_e(title), css=_CSS, body="\n".join(sections))
 
 
-# ---------------------------------------------------------------------------- sections
-
-
 def _verdict(r: Report) -> str:
-    ready = r.ready
-    counts = {s: sum(c.status == s for c in r.checks) for s in TAGS}
-    said = ", ".join(f"{n} {TAGS[s].lower()}" for s, n in counts.items() if n)
     return (
         '<section id="verdict">\n'
-        f'<h1 class="{"ready" if ready else "not-ready"}">'
-        f"{'READY' if ready else 'NOT READY'}</h1>\n"
-        f'<p class="counts">{_e(said)}</p>\n'
+        f'<h1 class="{"ready" if r.ready else "not-ready"}">'
+        f"{'READY' if r.ready else 'NOT READY'}</h1>\n"
+        f'<p class="counts">{_e(counts(r))}</p>\n'
         "<dl>"
         f"<dt>target</dt><dd><code>{_e(r.target)}</code></dd>"
         f"<dt>callable</dt><dd>{_e(r.kind)} <code>{_e(r.name)}</code></dd>"
@@ -103,29 +99,25 @@ def _checklist(checks: Sequence[Check]) -> str:
             + (f'<p class="advice">what to do: {_e(c.advice)}</p>' if c.status != "skip" else "")
             + "</td></tr>"
         )
-    return (
-        '<section id="checklist">\n<h2>Checklist</h2>\n'
-        f'<table class="checks">{"".join(rows)}</table>\n</section>'
-    )
+    return _section("checklist", "Checklist", f'<table class="checks">{"".join(rows)}</table>')
 
 
 def _latency(r: Report, figure: type[Figure]) -> str:
-    head = (
-        '<section id="latency">\n<h2>Latency per example shape</h2>\n'
+    intro = (
         "<p>Per-call time of each example, eager and compiled (through the guard), measured in "
         "interleaved samples; p50 is the median sample, p99 the 99th percentile (each sample "
         "averages several calls, so p99 is of those averages, not of single calls). The time "
         "axis is logarithmic, so a 1 ms shape shows beside a 100 ms one.</p>\n"
     )
+    title = "Latency per example shape"
     if not r.timing:
         why = "skipped (--quick)" if r.quick else "not measured: a compile failed"
-        return head + f'<p class="none">{_e(why)}</p>\n</section>'
+        return _section("latency", title, intro, _none(why))
     labels = [t.label for t in r.timing]
     series: dict[str, list[tuple[float | None, float | None]]] = {
         "eager": [(t.eager_s, t.eager_p99_s) for t in r.timing],
         "compiled": [(t.compiled_s, t.compiled_p99_s) for t in r.timing],
     }
-
     known = [x for values in series.values() for pair in values for x in pair if x is not None]
     scale, unit = _time_unit(min(known, default=0.0))  # log axis: the small ones read well
 
@@ -154,26 +146,24 @@ def _latency(r: Report, figure: type[Figure]) -> str:
         _legend_below(ax)
 
     image = _plot(figure, draw, (7.0, 3.4), "Latency per example: eager and compiled, p50 and p99")
-    rows = "".join(
+    head = ["example", "eager p50", "eager p99", "compiled p50", "compiled p99"]
+    rows = (
         f"<tr><td><code>{_e(t.label)}</code></td><td>{secs(t.eager_s)}</td>"
         f"<td>{secs(t.eager_p99_s)}</td><td>{secs(t.compiled_s)}</td>"
-        f"<td>{secs(t.compiled_p99_s)}</td>"
-        f"<td>{'-' if t.ratio is None else f'{t.ratio:.2f}x'}"
-        f"{' (noisy)' if t.noisy else ''}</td>"
+        f"<td>{secs(t.compiled_p99_s)}</td><td>{_ratio(t)}</td>"
         f"<td>{t.samples} x {t.calls_per_sample}</td></tr>"
         for t in r.timing
     )
-    table = (
-        "<table><tr><th>example</th><th>eager p50</th><th>eager p99</th><th>compiled p50</th>"
-        "<th>compiled p99</th><th>compiled / eager</th><th>samples x calls</th></tr>"
-        f"{rows}</table>"
-    )
-    return head + image + table + "\n</section>"
+    table = _table([*head, "compiled / eager", "samples x calls"], rows)
+    return _section("latency", title, intro, image, table)
+
+
+def _ratio(t: Timing) -> str:
+    return ("-" if t.ratio is None else f"{t.ratio:.2f}x") + (" (noisy)" if t.noisy else "")
 
 
 def _compile_times(r: Report, figure: type[Figure]) -> str:
-    head = (
-        '<section id="compile-time">\n<h2>Compile time per graph</h2>\n'
+    intro = (
         "<p>The first call of each shape: one dark segment per graph the backend compiled for "
         "it (its compile time), then the rest of that first call in grey (dynamo tracing, the "
         "guard, one run). A replica pays this on its first requests unless it warms up.</p>\n"
@@ -204,38 +194,34 @@ def _compile_times(r: Report, figure: type[Figure]) -> str:
                 if any(c.role == role for _, c in drawn)
             ]
             handles.append(Patch(color=_COLORS["eager"], alpha=0.45, label="the rest"))
-            _legend_below(ax, handles=handles)
+            _legend_below(ax, handles)
 
         height = 1.4 + 0.32 * len(drawn)
         image = _plot(figure, draw, (7.0, height), "Compile time of each graph, per first call")
     else:
-        image = '<p class="none">no graph was compiled</p>'
-    rows = "".join(
+        image = _none("no graph was compiled")
+    head = ["#", "role", "shape", "served", "graphs", "first call", "backend, per graph", "note"]
+    rows = (
         f"<tr><td>{i}</td><td>{_e(c.role)}</td><td><code>{_e(c.label)}</code></td>"
         f"<td>{_e(c.path)}</td><td>{c.graphs}</td><td>{secs(c.seconds)}</td>"
         f"<td>{_e(', '.join(secs(s) for s in c.graph_s))}</td><td>{_e(c.note or '')}</td></tr>"
         for i, c in calls
     )
-    table = (
-        "<table><tr><th>#</th><th>role</th><th>shape</th><th>served</th><th>graphs</th>"
-        "<th>first call</th><th>backend, per graph</th><th>note</th></tr>"
-        f"{rows}</table>"
-    )
-    return head + image + table + "\n</section>"
+    return _section("compile-time", "Compile time per graph", intro, image, _table(head, rows))
 
 
 def _recompiles(r: Report, figure: type[Figure]) -> str:
     limit = r.thresholds.max_recompiles
-    head = (
-        '<section id="recompiles">\n<h2>Recompiles over the shape sweep</h2>\n'
+    intro = (
         "<p>Graphs compiled so far, shape after shape (numbered as in the table above): the "
         f"examples first, then the sweep ({_e(r.sweep_plan or 'none')}). Past the limit "
         f"({limit}) new shapes run eager.</p>\n"
     )
+    title = "Recompiles over the shape sweep"
     calls = [(i, c) for i, c in enumerate((*r.examples, *r.sweep), start=1) if c.path != "skipped"]
     if not r.sweep or not calls:
-        return head + f'<p class="none">{_e(r.sweep_plan or "no sweep")}</p>\n</section>'
-    totals = list(_running_total(c.graphs for _, c in calls))
+        return _section("recompiles", title, intro, _none(r.sweep_plan or "no sweep"))
+    totals = list(itertools.accumulate(c.graphs for _, c in calls))
 
     def draw(ax: Axes) -> None:
         xs = [i for i, _ in calls]
@@ -253,26 +239,23 @@ def _recompiles(r: Report, figure: type[Figure]) -> str:
 
     image = _plot(figure, draw, (7.0, 3.2), "Graphs compiled over the shape sweep")
     stopped = f"<p>{_e(r.sweep_stopped)}</p>" if r.sweep_stopped else ""
-    return head + image + stopped + "\n</section>"
+    return _section("recompiles", title, intro, image, stopped)
 
 
 def _graph_breaks(r: Report) -> str:
-    head = '<section id="graph-breaks">\n<h2>Graph breaks</h2>\n'
     if not r.graph_breaks:
-        return head + f'<p class="none">none in {r.graphs} graph(s)</p>\n</section>'
+        return _section("graph-breaks", "Graph breaks", _none(f"none in {r.graphs} graph(s)"))
     rows = []
     for b in r.graph_breaks:
-        place = where(b.get("file"), b.get("line"), b.get("function"))
-        reason = str(b.get("reason") or "")
+        place = _code(where(b.get("file"), b.get("line"), b.get("function")))
         source = b.get("source")
+        if source:
+            place += f"<pre>{_e(b.get('line'))} | {_e(source)}</pre>"
         rows.append(
-            f"<tr><td><code>{_e(place)}</code>"
-            + (f"<pre>{_e(b.get('line'))} | {_e(source)}</pre>" if source else "")
-            + f"</td><td><pre>{_e(reason.strip())}</pre></td></tr>"
+            f"<tr><td>{place}</td><td><pre>{_e(str(b.get('reason') or '').strip())}</pre></td></tr>"
         )
-    return (
-        head + "<table><tr><th>where</th><th>why (dynamo's reason)</th></tr>"
-        f"{''.join(rows)}</table>\n</section>"
+    return _section(
+        "graph-breaks", "Graph breaks", _table(["where", "why (dynamo's reason)"], rows)
     )
 
 
@@ -281,14 +264,25 @@ def _settings(r: Report) -> str:
         f"<dt>{_e(k)}</dt><dd><code>{_e(v)}</code></dd>" for k, v in r.settings.items()
     )
     versions = "".join(f"<dt>{_e(k)}</dt><dd>{_e(v)}</dd>" for k, v in r.versions.items())
-    return (
-        '<section id="versions">\n<h2>Settings and versions</h2>\n'
-        f"<dl>{settings}<dt>max_recompiles</dt><dd>{r.thresholds.max_recompiles}</dd></dl>\n"
-        f"<dl>{versions}</dl>\n</section>"
+    return _section(
+        "versions",
+        "Settings and versions",
+        f"<dl>{settings}<dt>max_recompiles</dt><dd>{r.thresholds.max_recompiles}</dd></dl>\n",
+        f"<dl>{versions}</dl>",
     )
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def _section(ident: str, title: str, *parts: str) -> str:
+    return f'<section id="{ident}">\n<h2>{title}</h2>\n' + "".join(parts) + "\n</section>"
+
+
+def _table(head: Sequence[str], rows: Iterable[str]) -> str:
+    """A table: ``head``'s words, then ``rows`` (HTML: what comes from the report escaped)."""
+    top = "".join(f"<th>{h}</th>" for h in head)
+    return f"<table><tr>{top}</tr>{''.join(rows)}</table>"
 
 
 def _plot(
@@ -310,31 +304,28 @@ def _png(fig: Figure, alt: str) -> str:
     return f'<img alt="{_e(alt)}" src="data:image/png;base64,{data}">\n'
 
 
-def _legend_below(ax: Axes, **options: Any) -> None:
+def _legend_below(ax: Axes, handles: Sequence[Any] | None = None) -> None:
     """The legend under the plot, outside the axes: it covers no bar, whisker or point."""
-    handles, labels = ax.get_legend_handles_labels()
-    if "handles" in options:
-        handles = options.pop("handles")
-        labels = [h.get_label() for h in handles]
+    shown = list(handles) if handles is not None else ax.get_legend_handles_labels()[0]
     ax.figure.legend(
-        handles,
-        labels,
+        handles=shown,
         loc="outside lower center",
-        ncols=min(len(handles), 4) or 1,
+        ncols=min(len(shown), 4) or 1,
         fontsize="small",
         frameon=False,
     )
 
 
-def _running_total(values: Iterable[int]) -> Iterable[int]:
-    total = 0
-    for v in values:
-        total += v
-        yield total
-
-
 def _e(value: object) -> str:
     return html.escape("" if value is None else str(value), quote=True)
+
+
+def _code(value: object) -> str:
+    return f"<code>{_e(value)}</code>"
+
+
+def _none(text: str) -> str:
+    return f'<p class="none">{_e(text)}</p>'
 
 
 def _cut(text: str, limit: int = _LABEL_CHARS) -> str:

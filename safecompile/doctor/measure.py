@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import linecache
 import math
 import os
 import platform
@@ -34,7 +35,6 @@ from safecompile.guard.graphs import RecordedGraph, Recorder, outside_effects
 from safecompile.observe.progress import spinner
 from safecompile.observe.source import dedupe_graph_breaks, location_of_function
 
-from .formats import qualname, source_line
 from .judge import judge
 from .report import (
     DEFAULT_LIMIT,
@@ -159,7 +159,9 @@ def diagnose(
         sweep_stopped=stopped,
         compiles=stats.compiles,
         graphs=len(graphs),
-        graph_breaks=tuple(with_source(b) for b in breaks),
+        graph_breaks=tuple(
+            {**b, "source": source_line(b.get("file"), b.get("line"))} for b in breaks
+        ),
         random_op=next((g.random_op for g in graphs if g.random_op is not None), None),
         unchecked=_unchecked(graphs),
         timing=tuple(timing),
@@ -201,11 +203,8 @@ def _run_sweep(
             break
         if call.path == "eager" and session.limit_hit:
             left = len(shapes) - i - 1
-            stopped = (
-                f"stopped at the recompile limit ({left} more shape(s) would run eager)"
-                if left
-                else None
-            )
+            if left:
+                stopped = f"stopped at the recompile limit ({left} more shape(s) would run eager)"
             break
     return sweep, sweep_plan, stopped
 
@@ -299,7 +298,8 @@ def _guarded_call(fn: Callable[..., Any], controller: Any) -> tuple[str, Callabl
         if not callable(wrapped):
             raise UsageError(f"cannot find the function inside guarded {fn!r}")
         call = wrapped
-    return "function", call, f"{getattr(call, '__module__', None) or '__main__'}.{qualname(call)}"
+    name = getattr(call, "__qualname__", None) or type(call).__qualname__
+    return "function", call, f"{getattr(call, '__module__', None) or '__main__'}.{name}"
 
 
 def _inherited(controller: Any, name: str) -> tuple[dict[str, Any], str]:
@@ -488,21 +488,16 @@ class _Session:
 
 
 def _failure_event(events: Sequence[Event]) -> Event | None:
-    for kind in (EventKind.COMPILE_FAILED, EventKind.ROLLBACK):
-        for event in events:
-            if event.kind is kind:
-                return event
-    return None
+    kinds = (EventKind.COMPILE_FAILED, EventKind.ROLLBACK)
+    return next((e for kind in kinds for e in events if e.kind is kind), None)
 
 
 def _since(before: Sequence[Event], after: Sequence[Event]) -> tuple[Event, ...]:
     """The events in ``after`` newer than the newest of ``before`` (compared by identity)."""
-    if not before:
-        return tuple(after)
-    last = before[-1]
-    for i in range(len(after) - 1, -1, -1):
-        if after[i] is last:
-            return tuple(after[i + 1 :])
+    if before:
+        for i in range(len(after) - 1, -1, -1):
+            if after[i] is before[-1]:
+                return tuple(after[i + 1 :])
     return tuple(after)
 
 
@@ -527,13 +522,17 @@ def _device_of(plan: _Plan) -> torch.device:
 
 def _synchronizer(plan: _Plan) -> Callable[[], None]:
     device = _device_of(plan)
-    if device.type == "cpu":
-        return lambda: None
-    module = getattr(torch, device.type, None)
-    sync = getattr(module, "synchronize", None)
-    if not callable(sync):
+    sync = getattr(getattr(torch, device.type, None), "synchronize", None)
+    if device.type == "cpu" or not callable(sync):
         return lambda: None
     return lambda: sync(device)
+
+
+def source_line(file: object, line: object) -> str | None:
+    if not isinstance(file, str) or not isinstance(line, int) or not file or not line:
+        return None
+    text = linecache.getline(file, line).strip()
+    return text or None
 
 
 def versions(device: torch.device | None = None) -> dict[str, str]:
@@ -553,11 +552,3 @@ def versions(device: torch.device | None = None) -> dict[str, str]:
         "platform": platform.platform(terse=True),
         "device": where,
     }
-
-
-def with_source(entry: Mapping[str, object]) -> dict[str, object]:
-    file, line = entry.get("file"), entry.get("line")
-    source = source_line(
-        file if isinstance(file, str) else None, line if isinstance(line, int) else None
-    )
-    return {**entry, "source": source}

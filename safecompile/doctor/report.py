@@ -13,9 +13,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from safecompile.base.policies import Buckets, Rollback
+import torch
 
-from .formats import describe
+from safecompile.base.policies import Buckets, Rollback
 
 __all__ = [
     "DEFAULT_LIMIT",
@@ -64,10 +64,21 @@ class Example:
 
     def label(self) -> str:
         """Shapes and dtypes, never values: ``float32[8, 16], mask=bool[8, 16]``."""
-        parts = [describe(a) for a in self.args]
-        parts += [f"{k}={describe(v)}" for k, v in self.kwargs.items()]
+        parts = [_describe(a) for a in self.args]
+        parts += [f"{k}={_describe(v)}" for k, v in self.kwargs.items()]
         text = ", ".join(parts) or "(no arguments)"
         return text if len(text) <= _LABEL_LIMIT else text[: _LABEL_LIMIT - 1] + "\u2026"
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        where = "" if value.device.type == "cpu" else f"@{value.device}"
+        return f"{dtype}[{', '.join(map(str, value.shape))}]{where}"
+    if isinstance(value, list | tuple) and len(value) <= 8:
+        inner = ", ".join(_describe(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    return type(value).__name__
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -20,7 +20,7 @@ import torch
 
 from safecompile.observe.source import is_user_file
 
-from .formats import kind, where
+from .formats import where
 from .report import DoctorTarget, Example, UsageError
 
 __all__ = ["error_at", "load_target", "parse_inputs", "parse_sweep", "to_target", "user_traceback"]
@@ -38,14 +38,14 @@ def to_target(value: object, factory: str = "FACTORY") -> DoctorTarget:
     else:
         hint = " (a callable without inputs: return (fn, inputs))" if callable(value) else ""
         raise UsageError(
-            f"{factory}() returned {kind(value)}{hint}; expected "
+            f"{factory}() returned {_kind(value)}{hint}; expected "
             "DoctorTarget(fn=..., inputs=[...]) or a pair (fn, inputs), where inputs is a "
             "list of calls (each a tuple of arguments, a dict of keyword arguments or a "
             "tensor) or one call's tuple of arguments"
         )
     if not callable(target.fn):
         raise UsageError(
-            f"{factory}(): fn must be a function or an nn.Module, got {kind(target.fn)}"
+            f"{factory}(): fn must be a function or an nn.Module, got {_kind(target.fn)}"
         )
     parse_inputs(target.inputs, f"{factory}(): inputs")  # refuse bad inputs now
     parse_sweep(target.sweep, f"{factory}(): sweep")
@@ -62,7 +62,7 @@ def parse_inputs(value: object, what: str = "inputs") -> tuple[Example, ...]:
         return tuple(_one(item, f"{what}[{i}]") for i, item in enumerate(value))
     raise UsageError(
         f"{what} must be a list of calls (each a tuple of arguments, a dict of keyword "
-        f"arguments or a tensor) or one call's tuple of arguments, got {kind(value)}"
+        f"arguments or a tensor) or one call's tuple of arguments, got {_kind(value)}"
     )
 
 
@@ -73,6 +73,13 @@ def parse_sweep(value: object, what: str = "sweep") -> tuple[Example, ...] | Non
     if isinstance(value, Sequence) and len(value) == 0:
         return ()
     return parse_inputs(value, what)
+
+
+def _kind(value: object) -> str:
+    if value is None:
+        return "None"
+    name = f"{type(value).__module__}.{type(value).__qualname__}".removeprefix("builtins.")
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 def _one(value: object, what: str) -> Example:
@@ -87,7 +94,7 @@ def _one(value: object, what: str) -> Example:
         return Example((), dict(value))
     raise UsageError(
         f"{what} must be a tuple of positional arguments, a dict of keyword arguments or a "
-        f"tensor, got {kind(value)} (wrap one argument as (arg,))"
+        f"tensor, got {_kind(value)} (wrap one argument as (arg,))"
     )
 
 
@@ -115,7 +122,7 @@ def load_target(spec: str) -> DoctorTarget:
                 f"{getattr(module, '__file__', module_part)})"
             ) from None
     if not callable(factory):
-        raise UsageError(f"{spec} is {kind(factory)}, not a callable factory")
+        raise UsageError(f"{spec} is {_kind(factory)}, not a callable factory")
     try:
         value = factory()
     except (Exception, SystemExit) as exc:

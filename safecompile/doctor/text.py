@@ -7,7 +7,7 @@ import textwrap
 from .formats import TAGS
 from .report import Report
 
-__all__ = ["LINE_LIMIT", "render_text"]
+__all__ = ["LINE_LIMIT", "counts", "render_text"]
 
 #: Longest line of the text report.
 LINE_LIMIT = 200
@@ -15,22 +15,7 @@ LINE_LIMIT = 200
 
 def render_text(report: Report) -> str:
     """The readiness report as text: the verdict first, then one section per check."""
-    failed = [c.title for c in report.checks if c.status == "fail"]
-    warned = [c.title for c in report.checks if c.status == "warn"]
-    passed = sum(c.status == "pass" for c in report.checks)
-    skipped = sum(c.status == "skip" for c in report.checks)
-    counts = []
-    if failed:
-        counts.append(f"{len(failed)} failed ({', '.join(failed)})")
-    if warned:
-        counts.append(
-            f"{len(warned)} warning{'s' if len(warned) > 1 else ''} ({', '.join(warned)})"
-        )
-    if passed:
-        counts.append(f"{passed} passed")
-    if skipped:
-        counts.append(f"{skipped} skipped")
-    verdict = ("READY" if report.ready else "NOT READY") + " - " + ", ".join(counts)
+    verdict = ("READY" if report.ready else "NOT READY") + " - " + counts(report)
     s = report.settings
     options = (
         f"backend={s.get('backend')} mode={s.get('mode') or 'default'} "
@@ -60,6 +45,24 @@ def render_text(report: Report) -> str:
         + f"; device {v.get('device', '?')}"
     )
     return "".join(line + "\n" for entry in out for line in _fitted(entry))
+
+
+def counts(report: Report) -> str:
+    """How the checks came out: ``1 failed (recompiles), 1 warning (speed), 3 passed``."""
+    failed = [c.title for c in report.checks if c.status == "fail"]
+    warned = [c.title for c in report.checks if c.status == "warn"]
+    passed = sum(c.status == "pass" for c in report.checks)
+    skipped = sum(c.status == "skip" for c in report.checks)
+    said = []
+    if failed:
+        said.append(f"{len(failed)} failed ({', '.join(failed)})")
+    if warned:
+        said.append(f"{len(warned)} warning{'s' if len(warned) > 1 else ''} ({', '.join(warned)})")
+    if passed:
+        said.append(f"{passed} passed")
+    if skipped:
+        said.append(f"{skipped} skipped")
+    return ", ".join(said)
 
 
 def _fitted(line: str) -> list[str]:
