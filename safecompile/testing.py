@@ -107,11 +107,7 @@ class RuntimeFailingBackend(RecordingBackend):
     (or only that once with ``once=True``)."""
 
     def __init__(
-        self,
-        *,
-        on_run: int = 1,
-        once: bool = False,
-        error: Callable[[], Exception] | None = None,
+        self, *, on_run: int = 1, once: bool = False, error: Callable[[], Exception] | None = None
     ) -> None:
         super().__init__()
         self.on_run = on_run
@@ -152,13 +148,9 @@ class DriftingBackend(RecordingBackend):
 
 class PoolBackend(RecordingBackend):
     """Imitates CUDA graphs' static output pool on CPU: every run of a graph writes its
-    outputs into the same tensors (one per graph and output position, kept while its
-    shape and dtype hold), as a replay overwrites its pool. A caller still holding an
-    output of an earlier run sees it change: what the guard must never read late.
-
-    Outputs that alias an input are returned as they are (CUDA graphs return those as
-    views of the input), and so are outputs that carry gradients (a copy into the pool
-    would cut them off their graph).
+    outputs into the same tensors (per output position, while shape and dtype hold), so a
+    caller holding an earlier run's output sees it change. Outputs that alias an input or
+    carry gradients are returned as they are, as under CUDA graphs.
     """
 
     def compile(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
@@ -254,14 +246,9 @@ class CompileReport:
 
 @dataclass(frozen=True)
 class CompileCheck:
-    """:func:`assert_compiles` with other settings: ``backend`` (default ``"aot_eager"``:
-    dynamo and AOTAutograd without code generation) and ``check_outputs`` (compare the
-    compiled output with eager's). Call it like ``assert_compiles``::
-
-        CompileCheck(backend="inductor")(score, x, mask=m, max_graph_breaks=1)
-
-    Every keyword but ``max_graph_breaks`` goes to the function, so a function that takes
-    ``backend=`` or ``check_outputs=`` of its own gets them.
+    """:func:`assert_compiles` with another ``backend`` (default ``"aot_eager"``: dynamo and
+    AOTAutograd without code generation) or without comparing outputs (``check_outputs``);
+    called like it: ``CompileCheck(backend="inductor")(score, x, mask=m, max_graph_breaks=1)``.
     """
 
     backend: str | Callable[..., Any] = "aot_eager"
@@ -270,8 +257,7 @@ class CompileCheck:
     def __call__(
         self, fn: Callable[..., Any], /, *args: Any, max_graph_breaks: int = 0, **kwargs: Any
     ) -> CompileReport:
-        """Assert that ``fn(*args, **kwargs)`` compiles with at most ``max_graph_breaks``
-        graph breaks (see :func:`assert_compiles`)."""
+        """:func:`assert_compiles` with this backend and output check."""
         target = _unwrap(fn)
         recorder = Recorder(torchcompat.lookup_backend(self.backend))
         compiled = compile_function(
@@ -283,8 +269,7 @@ class CompileCheck:
             raise AssertionError(
                 f"{_name(target)} failed to compile: {type(exc).__name__}: {exc}"
             ) from exc
-        # A break is seen from both sides: the graph it ends and the one resuming after it.
-        # The resuming side is the only trace of a break with nothing compiled before it.
+        # each break once, though seen from the graph it ends and the one resuming after it
         breaks = dedupe_graph_breaks(b for graph in recorder.graphs for b in graph.breaks)
         if len(breaks) > max_graph_breaks:
             lines = "\n".join(
@@ -324,8 +309,7 @@ def assert_compiles(
     reason and source line. Returns a :class:`CompileReport`.
 
     Every keyword but ``max_graph_breaks`` is passed to ``fn``. For another backend, or
-    without comparing outputs, use :class:`CompileCheck`:
-    ``CompileCheck(backend="inductor", check_outputs=False)(fn, *args, **kwargs)``.
+    without comparing outputs, use :class:`CompileCheck`.
     """
     return CompileCheck()(fn, *args, max_graph_breaks=max_graph_breaks, **kwargs)
 

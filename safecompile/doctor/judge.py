@@ -92,10 +92,7 @@ def _check_compile(r: Report) -> Check:
             lines,
         )
     return verdict(
-        "pass",
-        summary,
-        "compile these shapes before traffic: warmup=Warmup(inputs=[...])",
-        lines,
+        "pass", summary, "compile these shapes before traffic: warmup=Warmup(inputs=[...])", lines
     )
 
 
@@ -105,9 +102,7 @@ def _check_graph_breaks(r: Report) -> Check:
     breaks = r.graph_breaks
     if r.failure is not None and r.graphs == 0:
         return verdict(
-            "skip",
-            "unknown: the compile failed before any graph was captured",
-            "see compile",
+            "skip", "unknown: the compile failed before any graph was captured", "see compile"
         )
     lines: list[str] = []
     for b in breaks:
@@ -226,21 +221,9 @@ def _check_speed(r: Report) -> Check:
     ]
     timed = [t for t in r.timing if t.ratio is not None]
     if not timed:
-        return verdict(
-            "skip",
-            "the compiled path served no timed example",
-            "see recompiles",
-            lines,
-        )
-    status, summary, advice = _speed_verdict(
-        timed, r.thresholds.slower_ratio, str(r.settings.get("backend"))
-    )
-    return verdict(
-        status,
-        summary,
-        advice,
-        lines,
-    )
+        return verdict("skip", "the compiled path served no timed example", "see recompiles", lines)
+    backend = str(r.settings.get("backend"))
+    return verdict(*_speed_verdict(timed, r.thresholds.slower_ratio, backend), lines)
 
 
 def _speed_verdict(timed: list[Timing], limit: float, backend: str) -> tuple[Status, str, str]:
@@ -317,11 +300,7 @@ def _check_drift(r: Report) -> Check:
     verdict = partial(_check, "drift")
     compared = [c for c in (*r.examples, *r.sweep) if c.path == "compiled"]
     if not compared:
-        return verdict(
-            "skip",
-            "no compiled output to compare",
-            "see compile",
-        )
+        return verdict("skip", "no compiled output to compare", "see compile")
     max_abs = max(c.max_abs or 0.0 for c in compared)
     max_rel = max(c.max_rel or 0.0 for c in compared)
     figures = f"max abs {max_abs:.3g}, normalised {max_rel:.3g}"
