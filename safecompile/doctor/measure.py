@@ -240,18 +240,24 @@ def _report_settings(plan: _Plan, settings: Settings) -> dict[str, Any]:
 
 
 def _plan(target: DoctorTarget, settings: Settings) -> _Plan:
-    fn = target.fn
-    controller = getattr(fn, "safecompile", None)
-    kind, call, name = _guarded_call(fn, controller)
-    inherited, name = _inherited(controller, name)
-    name = target.name or name
-
-    backend, mode, options = _compiler_choice(target, settings, inherited)
+    """The target resolved: the command line's settings, else the target's, else those a
+    guarded target was made with, else the defaults."""
+    controller = getattr(target.fn, "safecompile", None)
+    kind, call, name = _guarded_call(target.fn, controller)
+    made = _made_with(controller)
+    name = target.name or made.get("name") or name
+    backend: str | Callable[..., Any]
+    if settings.backend is not None:  # the target's options are for the target's backend
+        backend, mode, options = settings.backend, settings.mode, None
+    else:
+        backend = target.backend or made.get("backend") or "inductor"
+        mode = settings.mode or target.mode or made.get("mode")
+        options = None if settings.mode is not None else target.options  # --mode replaces them
     if settings.dynamic is not None:
         dynamic = {"true": True, "false": False, "auto": None}[settings.dynamic]
     else:
-        dynamic = target.dynamic if target.dynamic is not None else inherited.get("dynamic")
-    fullgraph = target.fullgraph or bool(inherited.get("fullgraph"))
+        dynamic = target.dynamic if target.dynamic is not None else made.get("dynamic")
+    fullgraph = target.fullgraph or bool(made.get("fullgraph"))
     try:
         validate_compile_options(
             backend=backend, mode=mode, options=options, dynamic=dynamic, fullgraph=fullgraph
@@ -302,36 +308,16 @@ def _guarded_call(fn: Callable[..., Any], controller: Any) -> tuple[str, Callabl
     return "function", call, f"{getattr(call, '__module__', None) or '__main__'}.{name}"
 
 
-def _inherited(controller: Any, name: str) -> tuple[dict[str, Any], str]:
-    """The settings an already guarded target was made with (its backend and mode only
-    when the backend is a known name), and its name (``name`` when it has none)."""
-    inherited: dict[str, Any] = {}
-    if controller is not None and callable(getattr(controller, "report", None)):
-        info = controller.report()
-        name = str(getattr(controller, "name", name))
-        known = set(torch.compiler.list_backends(exclude_tags=()))
-        if info.get("backend") in known:
-            inherited["backend"] = info["backend"]
-            inherited["mode"] = info.get("mode")
-        inherited["dynamic"] = info.get("dynamic")
-        inherited["fullgraph"] = bool(info.get("fullgraph"))
-    return inherited, name
-
-
-def _compiler_choice(
-    target: DoctorTarget, settings: Settings, inherited: Mapping[str, Any]
-) -> tuple[str | Callable[..., Any], str | None, Mapping[str, Any] | None]:
-    """Backend, mode and options: the command line's, else the target's, else those of
-    the guarded target, else inductor's defaults."""
-    if settings.backend is not None:
-        # the target's options are for the target's backend
-        return settings.backend, settings.mode, None
-    backend = target.backend or inherited.get("backend") or "inductor"
-    mode = settings.mode or target.mode or inherited.get("mode")
-    options = target.options
-    if mode is not None and options is not None and settings.mode is not None:
-        options = None  # --mode replaces the target's options
-    return backend, mode, options
+def _made_with(controller: Any) -> dict[str, Any]:
+    """What a guarded target was made with: its name, dynamic and fullgraph, and its backend
+    and mode when the backend is a known name (``{}`` for a plain target)."""
+    if controller is None or not callable(getattr(controller, "report", None)):
+        return {}
+    info = controller.report()
+    made = {key: info.get(key) for key in ("name", "dynamic", "fullgraph")}
+    if info.get("backend") in torch.compiler.list_backends(exclude_tags=()):
+        made |= {"backend": info["backend"], "mode": info.get("mode")}
+    return made
 
 
 class _Session:

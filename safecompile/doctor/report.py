@@ -1,9 +1,4 @@
-"""The doctor's report types: what it was given, what it measured and what it concluded.
-
-These are plain frozen records; measuring (:mod:`.measure`), judging (:mod:`.judge`) and
-rendering (:mod:`.text`, :mod:`.html`, :meth:`Report.to_dict`) all read them, and none of
-those is imported here.
-"""
+"""The doctor's records: what it was given, what it measured and what it concluded."""
 
 from __future__ import annotations
 
@@ -11,7 +6,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import torch
 
@@ -21,7 +16,6 @@ __all__ = [
     "DEFAULT_LIMIT",
     "SCHEMA",
     "Call",
-    "CallPath",
     "Check",
     "DoctorTarget",
     "Example",
@@ -37,7 +31,6 @@ __all__ = [
 SCHEMA = "safecompile.doctor/1"
 """The ``schema`` field of the JSON report; bumped when a field changes meaning."""
 Status = Literal["pass", "warn", "fail", "skip"]
-CallPath = Literal["compiled", "eager", "failed", "skipped"]
 _LABEL_LIMIT = 120
 DEFAULT_LIMIT = Rollback().recompile_limit
 _NOISY_SPREAD = 0.25  # timing pairs' interquartile range over their median ratio
@@ -149,7 +142,7 @@ class Call:
 
     label: str
     role: Literal["example", "sweep"]
-    path: CallPath  # what served it: compiled, eager (recompile limit), failed, skipped
+    path: Literal["compiled", "eager", "failed", "skipped"]  # what served it
     seconds: float | None = None  # wall time of the first call: compile and one run
     graphs: int = 0  # graphs compiled for it
     backend_s: float = 0.0  # of ``seconds``, time in the backend compiler
@@ -258,15 +251,9 @@ class Report:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable form: floats that are not finite become ``"inf"``/``"nan"``."""
-        body = dataclasses.asdict(self)
-        out: dict[str, Any] = {
-            "schema": SCHEMA,
-            "verdict": "ready" if self.ready else "not_ready",
-            "exit_code": self.exit_code,
-            **body,
-        }
-        jsonable: dict[str, Any] = _jsonable(out)  # type: ignore[assignment]
-        return jsonable
+        verdict = "ready" if self.ready else "not_ready"
+        head = {"schema": SCHEMA, "verdict": verdict, "exit_code": self.exit_code}
+        return cast(dict[str, Any], _jsonable({**head, **dataclasses.asdict(self)}))
 
 
 def _jsonable(value: object) -> object:

@@ -181,13 +181,6 @@ ERROR_LIMIT = 140
 _MIN_MESSAGE = 40
 
 
-def _user_frames(tb: types.TracebackType | None) -> types.TracebackType | None:
-    """``tb`` from its first frame that is the user's code (``None`` if none is)."""
-    while tb is not None and not is_user_file(tb.tb_frame.f_code.co_filename):
-        tb = tb.tb_next
-    return tb
-
-
 def _user_error(prefix: str, exc: BaseException) -> UsageError:
     return UsageError(prefix + error_at(exc), detail=user_traceback(exc))
 
@@ -195,7 +188,9 @@ def _user_error(prefix: str, exc: BaseException) -> UsageError:
 def user_traceback(exc: BaseException) -> str:
     """The traceback of ``exc`` from the user's first frame on (safecompile's, torch's and
     the import machinery's are left out)."""
-    tb = _user_frames(exc.__traceback__)
+    tb = exc.__traceback__
+    while tb is not None and not is_user_file(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
@@ -221,13 +216,5 @@ def _place(exc: BaseException) -> str | None:
     """``file:line in function`` of the user's deepest frame of ``exc``, if any."""
     if isinstance(exc, SyntaxError) and exc.filename:
         return where(exc.filename, exc.lineno, None)
-    last = None
-    tb = _user_frames(exc.__traceback__)
-    while tb is not None:
-        if is_user_file(tb.tb_frame.f_code.co_filename):
-            last = tb
-        tb = tb.tb_next
-    if last is None:
-        return None
-    code = last.tb_frame.f_code
-    return where(code.co_filename, last.tb_lineno, code.co_name)
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
+    return where(frames[-1].filename, frames[-1].lineno, frames[-1].name) if frames else None
