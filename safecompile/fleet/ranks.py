@@ -1,36 +1,14 @@
-"""Ranks that agree: local verdicts agreed across a ``torch.distributed`` process group.
+"""Ranks that agree: the guard's :class:`~safecompile.guard.peers.Peers` over a
+``torch.distributed`` process group (docs/fleet.md, "Ranks that agree").
 
-With ``safe_compile(..., group=...)`` the ranks of a process group leave the compiled
-path together, at *safe points*: every ``Rollback(sync_every=N)`` calls of the guarded
-callable (counted on every path, so all ranks of an SPMD program meet at the same call
-index) and at an explicit ``wrapped.safecompile.sync()``. Which verdicts apply on their
-own rank at once and which are held until then is :mod:`safecompile.guard.trips`'s
-business; this module carries the verdicts.
-
-**Their own channel.** A safe point never runs a collective on the user's communicator
-(one would pair with the user's own collectives whenever the ranks' call counts differ,
-and corrupt them). Every rank writes one row to the c10d store the process group was
-built on (``init_process_group``'s store, which already has timeouts), under a key of
-its own: the callable's name and its ordinal among the callables of that name in the
-process, the group's ranks, the safe point's index, the rank. A row carries
-
-``[index, call, tripped, reason, ready, entered_ms]``:
-
-- ``index``: the safe point's number (1, 2, ...) and ``call``: the call index it was
-  reached at. Rows of one index with different calls mean the ranks' call counts differ
-  (an extra guarded call, a ``sync()`` on one rank only): the agreement ends on every rank
-  (reason ``peer``), nothing is paired;
-- ``tripped``, ``reason``: this rank's verdict; the lowest tripped rank's reason is the
-  one every rank records;
-- ``ready``: tripped, its ``retry_after`` wait over, nothing new held: when every rank is
-  ready, all try the compiled path again;
-- ``entered_ms``: the wall clock at entry; a spread past the timeout tells a rank that
-  came late that a peer already gave up waiting for it.
-
-Every wait is bounded by ``Rollback(sync_timeout=...)``. A rank that gives up (a peer
-died, hangs, or never reaches the safe point) writes an ``ended`` key, so a late peer
-learns it at its next safe point at once; the agreement ends for this process and no
-row is written again.
+A safe point never runs a collective on the user's communicator (it would pair with the
+user's own collectives whenever the ranks' call counts differ). Every rank writes one row
+to the c10d store the group was built on, under a key of its own (the callable's channel,
+the group's ranks, the safe point's index, the rank):
+``[index, call, tripped, reason, ready, entered_ms]``. Rows of one index at different
+calls end the agreement (nothing is paired); the lowest tripped rank's reason wins; all
+ranks ready means all try compiled again; an ``entered_ms`` spread past the timeout tells
+a late rank that a peer gave up. A rank that gives up writes an ``ended`` key.
 """
 
 from __future__ import annotations
@@ -58,11 +36,8 @@ _CODES: tuple[Reason, ...] = tuple(Reason)
 
 
 def check_group(group: object) -> None:
-    """Validate ``safe_compile(group=...)`` (at decoration): a ProcessGroup, ``True`` or ``None``.
-
-    ``True`` (the default group) is resolved lazily, at the first safe point: decorators
-    usually run at import, before ``torch.distributed.init_process_group``.
-    """
+    """Validate ``safe_compile(group=...)``: a ProcessGroup, ``True`` or ``None``. ``True``
+    is resolved at the first safe point (decorators run before ``init_process_group``)."""
     if group is None:
         return
     if group is False:
@@ -91,8 +66,7 @@ def _dist() -> Any:
 
 
 class Agreement:
-    """The agreement of one guarded callable with its peers (see the module doc): the
-    guard's :class:`~safecompile.guard.peers.Peers`."""
+    """The agreement of one guarded callable with its peers (see the module doc)."""
 
     def __init__(
         self,
@@ -117,11 +91,9 @@ class Agreement:
         self.rank: int | None = None
         self.world: int | None = None
 
-    # ------------------------------------------------------------------ trips between points
-
     def holds(self) -> bool:
-        """Whether a local trip waits for the next safe point (``False``: apply it now —
-        the agreement ended, or ``group=True`` and torch.distributed is not initialized)."""
+        """Whether a local trip waits for the next safe point (not once the agreement
+        ended, nor with ``group=True`` before torch.distributed is initialized)."""
         return self.broken is None and self._resolve() is not None
 
     def hold(self, event: Event) -> None:
@@ -139,11 +111,8 @@ class Agreement:
     def counting(
         self, guarded: Callable[..., Any], safe_point: Callable[[int], None]
     ) -> Callable[..., Any]:
-        """``guarded`` with a safe point before every ``every``-th call after the first.
-
-        The index counts every call on every path (compiled, eager, disabled), so ranks
-        making the same calls meet at the same index. ``reset()`` does not restart it.
-        """
+        """``guarded`` with a safe point before every ``every``-th call after the first;
+        every call on every path counts, so ranks making the same calls meet there."""
         calls = self._calls
         every = self.every
 
@@ -157,8 +126,6 @@ class Agreement:
                 raise without_our_frames(exc)  # noqa: B904 - the user's error, kept unchained
 
         return ranked
-
-    # ------------------------------------------------------------------ the safe point
 
     def agree(self, local: Local, call: int) -> Outcome | None:
         """One safe point: exchange verdicts with every rank (blocking, bounded by the
@@ -184,20 +151,17 @@ class Agreement:
             ]
             try:
                 rows = self._exchange(group, index, row)
+                outcome = _decode(rows, index, call, rank, world, self.timeout)
             except _PeerLeft as left:
-                self.broken = (
-                    f"this rank reached safe point {index} after another had left the "
-                    f"agreement ({left})"
-                )
-                return Outcome(call=call, rank=rank, world=world, failure=self.broken)
+                why = f"this rank reached safe point {index} after another had left the agreement"
+                outcome = Outcome(call=call, rank=rank, world=world, failure=f"{why} ({left})")
             except Exception as exc:  # a dead peer, a timeout, a store torn down
-                self.broken = _why(exc, self.timeout)
-                self._leave(group, self.broken)
-                return Outcome(call=call, rank=rank, world=world, failure=self.broken)
-            outcome = _decode(rows, index, call, rank, world, self.timeout)
+                outcome = Outcome(
+                    call=call, rank=rank, world=world, failure=_why(exc, self.timeout)
+                )
             self.broken = outcome.failure
             if outcome.failure is not None:
-                self._leave(group, outcome.failure)
+                self._leave(group, outcome.failure)  # no-op when a peer left first
             return outcome
 
     def _resolve(self) -> Any:
@@ -240,8 +204,7 @@ class Agreement:
             pause = min(pause * 2, 0.05)
 
     def _leave(self, group: Any, why: str) -> None:
-        """Tell the peers this rank left the agreement (best effort: it may be the store
-        that failed)."""
+        """Tell the peers this rank left (best effort: the store itself may have failed)."""
         with contextlib.suppress(Exception):
             store, prefix = self._store(group)
             if not store.check([f"{prefix}/ended"]):
@@ -312,8 +275,7 @@ def _decode(
     entered = [row[5] for row in rows]
     spread = max(entered) - min(entered)
     if spread > timeout * 1000:
-        # The first rank in waited past the timeout and left; its row was there when
-        # this late rank looked, before it said so.
+        # the first rank in waited past the timeout and left before saying so
         return replace(
             same,
             failure=f"a peer entered this safe point {spread / 1000:.1f}s after another, "

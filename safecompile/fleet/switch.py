@@ -1,24 +1,13 @@
 """The fleet kill switch: a watched file or Redis key, polled off the hot path.
 
-``SAFECOMPILE_DISABLE_SOURCE`` names the source (read at each decoration and at each
-poll):
-
-- ``file:///etc/safecompile/disable`` or an absolute path: the file's text;
-- ``redis://host:port/db#key`` (``rediss://``, ``unix:///path.sock?db=0#key``): the
-  key's string value; without ``#key`` the key is ``safecompile:disable``.
-
-The text says what ``SAFECOMPILE_DISABLE`` says (``1``/``all`` for everything, ``0`` or
-empty for nothing, else names and globs, :func:`safecompile.base.killswitch.parse`); lines
-are joined by commas and ``#`` comment lines dropped, so a file may list one name a
-line. A missing file or key means enabled (delete it to switch back on). A source that
-cannot be read (unreadable file, Redis down or hanging, a value over 64 KiB) keeps the
-last value read, with one warning event per outage; it never reaches a call.
-
-One daemon thread polls every ``SAFECOMPILE_DISABLE_POLL`` seconds (default 2; read at
-each poll). A new value is handed to :func:`safecompile.base.killswitch.set_watched`, which
-bumps the switch's generation: the hot path already compares that number on every call,
-so a running callable turns ``disabled`` (or back) at its next call, at no added cost
-per call.
+``SAFECOMPILE_DISABLE_SOURCE`` names the source (read at each decoration and poll):
+``file:///path`` or an absolute path (the file's text), or ``redis://host:port/db#key``
+(``rediss://``, ``unix:///path.sock?db=0#key``; default key ``safecompile:disable``).
+The text says what ``SAFECOMPILE_DISABLE`` says, one entry a line allowed, ``#`` lines
+dropped; missing means enabled. An unreadable source keeps the last value, with one
+warning per outage. One daemon thread polls every ``SAFECOMPILE_DISABLE_POLL`` seconds
+and hands a new value to :func:`safecompile.base.killswitch.set_watched`, which bumps
+the generation the hot path already compares: no added cost per call.
 """
 
 from __future__ import annotations
@@ -29,29 +18,13 @@ import os
 import threading
 import urllib.parse
 from pathlib import Path
-from typing import Protocol
 
 from safecompile.base import killswitch as ks
 from safecompile.observe.log import Once, log_event
 from safecompile.persist.bounded import read_file
 from safecompile.persist.remote import RedisLink, RemoteUnavailableError, parse_url, redacted
 
-__all__ = [
-    "DEFAULT_KEY",
-    "DEFAULT_POLL_S",
-    "POLL_ENV_VAR",
-    "SOURCE_ENV_VAR",
-    "WATCHER",
-    "FileSource",
-    "RedisKeySource",
-    "Source",
-    "SourceError",
-    "Watcher",
-    "open_source",
-    "poll_interval",
-    "rule_of",
-    "watch",
-]
+__all__ = ["SOURCE_ENV_VAR", "WATCHER", "Watcher", "open_source", "rule_of", "watch"]
 
 SOURCE_ENV_VAR = "SAFECOMPILE_DISABLE_SOURCE"
 POLL_ENV_VAR = "SAFECOMPILE_DISABLE_POLL"
@@ -64,16 +37,6 @@ MAX_BYTES = 64 * 1024
 
 class SourceError(Exception):
     """The watched source could not be read this time (the last value is kept)."""
-
-
-class Source(Protocol):
-    """Something that holds the fleet's kill-switch text."""
-
-    label: str  # for log events (no password)
-
-    def read(self) -> str | None:
-        """The text, ``None`` when absent (enabled); :class:`SourceError` if unreadable."""
-        ...
 
 
 class FileSource:
@@ -92,8 +55,7 @@ class FileSource:
 
 
 class RedisKeySource:
-    """A Redis string key's value (missing: ``None``), through a quiet :class:`RedisLink`
-    that retries at every poll."""
+    """A Redis string key's value (missing: ``None``); its link retries at every poll."""
 
     def __init__(self, url: str, key: str) -> None:
         self.link = RedisLink(url, purpose="kill switch", retry_after=0.0, quiet=True)
@@ -121,7 +83,7 @@ def _decoded(data: bytes) -> str:
         raise SourceError(f"not UTF-8: {exc}") from None
 
 
-def open_source(spec: str) -> Source:
+def open_source(spec: str) -> FileSource | RedisKeySource:
     """The source ``spec`` names (see the module doc); ``ValueError`` if it names none."""
     text = spec.strip()
     parts = urllib.parse.urlsplit(text)
@@ -143,8 +105,7 @@ def open_source(spec: str) -> Source:
 
 
 def rule_of(text: str | None) -> ks.Rule:
-    """What the source's text disables: the kill switch's syntax, one entry a line allowed,
-    ``#`` comment lines ignored; ``None`` (absent) disables nothing."""
+    """What the source's text disables (``None``, absent: nothing)."""
     if text is None:
         return ks.NOTHING
     lines = (line.strip() for line in text.splitlines())
@@ -152,8 +113,7 @@ def rule_of(text: str | None) -> ks.Rule:
 
 
 def poll_interval(value: str | None) -> float:
-    """``SAFECOMPILE_DISABLE_POLL`` in seconds (clamped to [0.01, 3600]); ``ValueError``
-    when it is not a number. Unset or empty: the default (2 s)."""
+    """``SAFECOMPILE_DISABLE_POLL`` in seconds, clamped (unset: 2 s; ``ValueError``: NaN)."""
     if value is None or not value.strip():
         return DEFAULT_POLL_S
     seconds = float(value)
@@ -177,10 +137,9 @@ class Watcher:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._spec: str | None = None
-        self._source: Source | None = None
+        self._source: FileSource | RedisKeySource | None = None
         self._failing: str | None = None  # the outage being reported, if any
         self._invalid = Once()  # reasons said
-        self.polls = 0  # reads done (for tests and reports)
 
     def poll(self) -> ks.Rule:
         """Read the source once and apply what it says; the rule in force. Never raises."""
@@ -189,7 +148,6 @@ class Watcher:
                 self._poll()
             except Exception as exc:  # the watcher must outlive anything
                 self._failed(redacted(self._spec or ""), f"{type(exc).__name__}: {exc}")
-            self.polls += 1
             return ks.SWITCH.watched
 
     def _poll(self) -> None:
@@ -221,23 +179,15 @@ class Watcher:
             log_event("safecompile.disable_source_changed", source=label, disabled=_describe(rule))
 
     def _failed(self, label: str, reason: str) -> None:
-        if self._failing is not None:
-            return
-        self._failing = reason
-        log_event(
-            "safecompile.disable_source_error",
-            level=logging.WARNING,
-            source=label,
-            reason=reason[:300],
-            keeping=_describe(ks.SWITCH.watched),
-        )
+        if self._failing is None:
+            self._failing = reason
+            _say_failed(label, reason)
 
     def _warn_once(self, reason: str) -> None:
         self._invalid.warn(reason, "safecompile.disable_source_invalid", reason=reason)
 
     def interval(self) -> float:
-        """The poll interval now (``SAFECOMPILE_DISABLE_POLL``; a bad value: the default,
-        one warning)."""
+        """The poll interval now (a bad value: the default, one warning)."""
         try:
             return poll_interval(os.environ.get(POLL_ENV_VAR))
         except ValueError:
@@ -251,20 +201,18 @@ class Watcher:
         return thread is not None and thread.is_alive()
 
     def start(self) -> None:
-        """Read the source now, then poll on a daemon thread (idempotent). The first read
-        is bounded like every other (a file read times out, Redis has its timeouts)."""
+        """Read the source now (bounded like every read), then poll on a daemon thread."""
         with self._lock:
             if self.running:
                 return
-            self._stop = threading.Event()
             self.poll()
-            self._spawn(self._stop)
+            self._spawn(first=False)
 
-    def _spawn(self, stop: threading.Event, *, first: bool = False) -> None:
+    def _spawn(self, *, first: bool) -> None:
+        self._stop = threading.Event()
         thread = threading.Thread(
             target=self._run,
-            args=(stop,),
-            kwargs={"first": first},
+            args=(self._stop, first),
             name="safecompile-disable-source",
             daemon=True,
         )
@@ -272,16 +220,15 @@ class Watcher:
         self._thread = thread
 
     def after_fork_in_child(self) -> None:
-        """In a forked child (a pre-fork server's worker): fresh locks (a poll in flight at
-        the fork held one, for good), and the polling thread again if the parent had one
-        (threads do not survive a fork); its first poll comes at once."""
+        """In a forked child (a pre-fork server's worker): fresh locks (one held at the
+        fork stays held), and the polling thread again if the parent had one."""
         self._lock = threading.Lock()
         self._poll_lock = threading.Lock()
         polling, self._thread = self._thread is not None, None
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # its lock too may have been held
         if polling:
             try:
-                self._spawn(self._stop, first=True)
+                self._spawn(first=True)
             except Exception as exc:  # no threads in this child: env var and disable() work
                 self._failed(redacted(self._spec or ""), f"cannot restart the watcher: {exc}")
 
@@ -301,7 +248,7 @@ class Watcher:
             self._invalid.forget()
         ks.set_watched(ks.NOTHING)
 
-    def _run(self, stop: threading.Event, *, first: bool = False) -> None:
+    def _run(self, stop: threading.Event, first: bool) -> None:
         if first:
             self.poll()
         while not stop.wait(self.interval()):
@@ -321,17 +268,22 @@ if hasattr(os, "register_at_fork"):
 
 
 def watch() -> None:
-    """At decoration: when ``SAFECOMPILE_DISABLE_SOURCE`` is set, make sure it is watched
-    (the first read happens now, so the first call already obeys it). Never raises."""
+    """At decoration: watch ``SAFECOMPILE_DISABLE_SOURCE`` when set (read now, so the
+    first call obeys it). Never raises."""
     if not os.environ.get(SOURCE_ENV_VAR, "").strip():
         return
     try:
         WATCHER.start()
     except Exception as exc:  # e.g. no threads left: the env var and disable() still work
-        log_event(
-            "safecompile.disable_source_error",
-            level=logging.WARNING,
-            source=redacted(os.environ.get(SOURCE_ENV_VAR, "")),
-            reason=f"cannot start the watcher: {type(exc).__name__}: {exc}",
-            keeping=_describe(ks.SWITCH.watched),
-        )
+        source = redacted(os.environ.get(SOURCE_ENV_VAR, ""))
+        _say_failed(source, f"cannot start the watcher: {type(exc).__name__}: {exc}")
+
+
+def _say_failed(source: str, reason: str) -> None:
+    log_event(
+        "safecompile.disable_source_error",
+        level=logging.WARNING,
+        source=source,
+        reason=reason[:300],
+        keeping=_describe(ks.SWITCH.watched),
+    )

@@ -19,13 +19,8 @@ from typing import Any
 from safecompile.base.model import Reason
 from safecompile.observe.source import error_type_name, safe_message
 from safecompile.persist import remote
-from safecompile.persist.cache import (
-    CallKey,
-    Verdict,
-    _ignored,
-    signed_store,
-    use_torch_caches,
-)
+from safecompile.persist.cache import CallKey, Verdict, signed_store, use_torch_caches
+from safecompile.persist.signing import warn_ignored
 
 __all__ = ["CompileTracker", "KnownFailures"]
 
@@ -94,7 +89,7 @@ class KnownFailures:
             try:
                 use_torch_caches(root)
             except OSError as exc:  # a cache never fails a decoration
-                _ignored(root / "torch", f"cannot use: {type(exc).__name__}: {exc}")
+                warn_ignored(root / "torch", f"cannot use: {type(exc).__name__}: {exc}")
         self._key = CallKey(target, options)
         self._checked = False
 

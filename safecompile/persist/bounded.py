@@ -1,12 +1,9 @@
 """File reads that cannot hang the caller: a timeout, a size limit, regular files only.
 
-A file the operator names (the fleet kill switch's source, the cache key file) may sit on
-a hung NFS mount, or be a FIFO nobody writes to: a plain ``open().read()`` would block the
-thread that asked, which may be ``safe_compile()`` itself. :func:`read_file` opens without
-blocking (``O_NONBLOCK``: a FIFO opens at once and is then refused, as is anything that is
-not a regular file) and reads on a worker thread, waiting at most ``timeout`` seconds. A
-read that hangs leaves its daemon thread behind; until it returns, further reads of the
-same path fail at once instead of stacking threads.
+A file the operator names may sit on a hung NFS mount or be a FIFO nobody writes to, and
+the thread asking may be ``safe_compile()`` itself. :func:`read_file` opens without
+blocking (a FIFO is then refused) and reads on a worker thread, waiting at most
+``timeout`` seconds; until a hung read returns, reads of the same path fail at once.
 """
 
 from __future__ import annotations

@@ -6,16 +6,10 @@ Under ``SAFECOMPILE_CACHE_DIR`` (read when asked, never at import)::
                                        FX-graph cache, AOTAutograd's, Triton's, dynamo's PGO
     $SAFECOMPILE_CACHE_DIR/verdicts/   one JSON file per (artifact key, scope)
 
-An artifact key (:func:`artifact_key`) hashes everything that makes a compiled artifact or
-a verdict stale: torch, Triton and Python versions, platform and device, the function's
-code (and the code it calls), torch.compile's options and safecompile's version. A
-verdict is only ever read back under the key it was written for, so new code or a torch
-upgrade retries a known failure.
-
-Files are written atomically (a temporary file in the same directory, then
-``os.replace``), so a reader sees an old file or a new one, never half of one; a corrupt,
-truncated or foreign file is ignored with a warning (the log event
-``safecompile.cache_file_ignored``), never trusted, never fatal.
+An artifact key (:func:`artifact_key`) hashes everything that makes an artifact or a
+verdict stale (versions, platform, device, the code, torch.compile's options), so new
+code or a torch upgrade retries a known failure. Files are replaced atomically; a
+corrupt or foreign one is ignored with a warning (``safecompile.cache_file_ignored``).
 """
 
 from __future__ import annotations
@@ -99,10 +93,8 @@ _SUBDIRS = ("torch", "verdicts", "artifacts")
 
 
 def usable_root() -> Path | None:
-    """:func:`cache_root` once it is safe and usable, else ``None`` with one warning: it
-    must be (or become) a directory this user owns that no other user can write (torch
-    unpickles what its caches there hold, as ssh refuses a key directory others can
-    write), and it must take a file (a read-only mount is refused, not fatal)."""
+    """:func:`cache_root` once it is a directory this user owns, no other user can write
+    (torch unpickles what it holds) and that takes a file; else ``None``, one warning."""
     root = cache_root()
     if root is None:
         return None
@@ -200,10 +192,8 @@ def artifact_key(
     device: str | torch.device = "cpu",
     extra: Mapping[str, Any] | None = None,
 ) -> str:
-    """A stable hash (hex) of everything that invalidates ``fn``'s compiled artifacts
-    and verdicts: :func:`environment` for ``device``, :func:`code_fingerprint` of ``fn``,
-    and torch.compile's ``backend``/``mode``/``options``/``dynamic`` (plus ``extra``,
-    e.g. ``fullgraph``). The same inputs give the same key in every process."""
+    """A stable hash (hex) of everything that invalidates ``fn``'s compiled artifacts and
+    verdicts: :func:`environment`, :func:`code_fingerprint` and torch.compile's options."""
     parts = {
         "environment": environment(device),
         "code": code_fingerprint(fn),
@@ -220,9 +210,8 @@ def artifact_key(
 
 
 class CallKey:
-    """One guarded callable's persisted-verdict key (:func:`artifact_key` of its target and
-    compile options), made at its first call, for the device of that call's first tensor
-    (the CPU without one)."""
+    """One guarded callable's :func:`artifact_key`, made at its first call (for the device
+    of its first tensor)."""
 
     def __init__(self, target: Callable[..., Any], options: Mapping[str, Any]) -> None:
         self._target = target
@@ -241,11 +230,9 @@ class CallKey:
 
 
 def code_fingerprint(fn: Callable[..., Any]) -> str:
-    """A hash of the code ``fn`` runs: its code objects (bytecode, constants, names,
-    qualified name, file; not line numbers), defaults and closure values, the user
-    functions and classes it reaches through globals, and for an ``nn.Module`` the
-    classes of all its submodules, their plain settings and their parameter shapes.
-    Library code (torch, ...) is covered by versions instead. Never raises."""
+    """A hash of the code ``fn`` runs (not line numbers): code objects, defaults, closures,
+    the user code reached through globals, and for a module its submodules' classes,
+    plain settings and parameter shapes. Library code is keyed by versions. Never raises."""
     walker = _CodeWalker()
     try:
         walker.value(fn)
@@ -397,48 +384,32 @@ def _is_library(obj: object) -> bool:
 
 
 def _stable(value: object, depth: int = 0) -> str:
-    """Text that is equal for equal values in every process (no ids, no hash order, no
-    tensor values)."""
+    """Text equal for equal values in every process (no ids, no hash order, no tensor
+    values). ``torch.Size`` is a tuple, ``bool`` and int enums are ints: order matters."""
+    inner = functools.partial(_stable, depth=depth + 1)
     if depth > 6:
-        return "..."
-    for kinds, show in _STABLE_FORMS:
-        if isinstance(value, kinds):
-            return show(value, depth)
-    return f"<{type(value).__module__}.{type(value).__qualname__}>"
-
-
-def _stable_float(value: float, depth: int) -> str:
-    return repr(value) if math.isfinite(value) else str(value)
-
-
-def _stable_sequence(value: tuple[Any, ...] | list[Any], depth: int) -> str:
-    inner = ", ".join(_stable(v, depth + 1) for v in value)
-    return f"{type(value).__name__}({inner})"
-
-
-def _stable_set(value: set[Any] | frozenset[Any], depth: int) -> str:
-    return f"set({', '.join(sorted(_stable(v, depth + 1) for v in value))})"
-
-
-def _stable_mapping(value: Mapping[Any, Any], depth: int) -> str:
-    items = sorted(f"{_stable(k, depth + 1)}: {_stable(v, depth + 1)}" for k, v in value.items())
-    return "{" + ", ".join(items) + "}"
-
-
-# How _stable shows a value: the first entry whose types it is an instance of, in order
-# (``torch.Size`` is a tuple; ``bool`` and int enums are ints).
-_STABLE_FORMS: tuple[tuple[type[Any] | types.UnionType, Callable[[Any, int], str]], ...] = (
-    (type(None) | bool | int | str | bytes, lambda value, depth: repr(value)),
-    (float, _stable_float),
-    (complex, lambda value, depth: repr(value)),
-    (enum.Enum, lambda value, depth: f"{type(value).__qualname__}.{value.name}"),
-    (torch.Tensor, lambda value, depth: f"tensor({value.dtype}, {tuple(value.shape)})"),
-    (torch.dtype | torch.device | torch.Size, lambda value, depth: str(value)),
-    (tuple | list, _stable_sequence),
-    (set | frozenset, _stable_set),
-    (Mapping, _stable_mapping),
-    (types.FunctionType | type, lambda value, depth: f"<{value.__module__}.{value.__qualname__}>"),
-)
+        text = "..."
+    elif isinstance(value, type(None) | bool | int | str | bytes | complex):
+        text = repr(value)
+    elif isinstance(value, float):
+        text = repr(value) if math.isfinite(value) else str(value)
+    elif isinstance(value, enum.Enum):
+        text = f"{type(value).__qualname__}.{value.name}"
+    elif isinstance(value, torch.Tensor):
+        text = f"tensor({value.dtype}, {tuple(value.shape)})"
+    elif isinstance(value, torch.dtype | torch.device | torch.Size):
+        text = str(value)
+    elif isinstance(value, tuple | list):
+        text = f"{type(value).__name__}({', '.join(map(inner, value))})"
+    elif isinstance(value, set | frozenset):
+        text = f"set({', '.join(sorted(map(inner, value)))})"
+    elif isinstance(value, Mapping):
+        text = "{" + ", ".join(sorted(f"{inner(k)}: {inner(v)}" for k, v in value.items())) + "}"
+    elif isinstance(value, types.FunctionType | type):
+        text = f"<{value.__module__}.{value.__qualname__}>"
+    else:
+        text = f"<{type(value).__module__}.{type(value).__qualname__}>"
+    return text
 
 
 # ---------------------------------------------------------------- verdicts
@@ -493,32 +464,22 @@ _PURPOSE = "verdict"
 
 
 def signed_store() -> tuple[Path | None, VerdictStore | None]:
-    """``SAFECOMPILE_CACHE_DIR`` when it can be used, and a verdict store under it that
-    signs and verifies with the operator's key: ``(None, None)`` without a usable
-    directory, ``(root, None)`` without a key (nothing is persisted; the store said so,
-    once)."""
+    """The usable ``SAFECOMPILE_CACHE_DIR`` and a signing verdict store under it;
+    ``(None, None)`` without a directory, ``(root, None)`` without a key."""
     root = usable_root()
     store = VerdictStore(root) if root is not None else None
     return root, store if store is not None and store.signer is not None else None
 
 
 class VerdictStore:
-    """Verdicts persisted under ``root/verdicts``: one JSON file per (key, scope).
+    """Verdicts under ``root/verdicts``: one JSON file per (key, scope; ``""``: the whole
+    function, e.g. ``"bucket=128"``). The last writer of a file wins; what a reader cannot
+    trust is ignored with one warning; a failed write is a warning and ``False``.
 
-    ``scope`` narrows a verdict within a key (``""``: the whole function; e.g.
-    ``"bucket=128"``). Writers never corrupt a file (atomic replace; the last writer of a
-    file wins); readers ignore, with one warning per file, anything they cannot trust.
-    Write failures (read-only disk, full disk) are warnings too: :meth:`put` returns
-    ``False``.
-
-    ``remote``: a fleet-wide tier (:mod:`._remote`; by default the one
-    ``SAFECOMPILE_REMOTE_CACHE`` names, if any). Reads fall back to it when the local file
-    is missing; writes and deletes go to both; it never fails a call.
-
-    ``signer``: the operator's key (:mod:`.signing`; by default the environment's). Every
-    document is signed when written and verified when read, wherever it was read from;
-    one that does not verify is ignored with one warning. Without a key the store reads
-    and writes nothing (one warning per process says so).
+    ``remote`` (default: ``SAFECOMPILE_REMOTE_CACHE``'s tier, if any) is read when the
+    local file is missing and written alongside. ``signer`` (default: the operator's key)
+    signs every document and verifies it wherever it was read from; without a key the
+    store reads and writes nothing.
     """
 
     def __init__(
@@ -562,7 +523,7 @@ class VerdictStore:
             verdict = Verdict.from_dict(doc.get("verdict") or {})
             self.signer.verify_doc(_PURPOSE, _doc_name(key, scope), doc)
         except (ValueError, TypeError, AttributeError) as exc:
-            _ignored(path, f"foreign or invalid: {exc}")
+            warn_ignored(path, f"foreign or invalid: {exc}")
             return None
         if max_age is not None and now is not None and now - verdict.time > max_age:
             return None
@@ -626,7 +587,7 @@ class VerdictStore:
             except FileNotFoundError:
                 continue
             except OSError as exc:
-                _ignored(path, f"cannot delete: {type(exc).__name__}: {exc}")
+                warn_ignored(path, f"cannot delete: {type(exc).__name__}: {exc}")
         return removed
 
 
@@ -657,33 +618,32 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     try:  # bounded: a verdict file on a hung mount must not hang the call reading it
         raw = read_file(path, limit=MAX_VERDICT_BYTES)
     except OSError as exc:
-        _ignored(path, f"unreadable: {type(exc).__name__}: {exc}")
+        warn_ignored(path, f"unreadable: {type(exc).__name__}: {exc}")
         return None
     if raw is not None and len(raw) > MAX_VERDICT_BYTES:
-        _ignored(path, f"foreign: larger than {MAX_VERDICT_BYTES} bytes")
+        warn_ignored(path, f"foreign: larger than {MAX_VERDICT_BYTES} bytes")
         return None
     return _decode_json(path, raw)
 
 
 def _decode_json(where: Path | str, raw: bytes | None) -> dict[str, Any] | None:
     """A verdict document (from a file or the remote tier), or ``None`` (warned once if
-    bad). Nesting is bounded: a document nested deeper than ``MAX_JSON_DEPTH`` (or too
-    deep for the parser) is foreign, never a ``RecursionError``."""
+    bad). Nesting deeper than ``MAX_JSON_DEPTH`` is foreign, never a ``RecursionError``."""
     if raw is None:
         return None
     try:
         doc = json.loads(raw.decode("utf-8"))
     except RecursionError:
-        _ignored(where, f"foreign: nested deeper than {MAX_JSON_DEPTH} levels")
+        warn_ignored(where, f"foreign: nested deeper than {MAX_JSON_DEPTH} levels")
         return None
     except (UnicodeDecodeError, ValueError) as exc:
-        _ignored(where, f"corrupt: {type(exc).__name__}: {exc}")
+        warn_ignored(where, f"corrupt: {type(exc).__name__}: {exc}")
         return None
     if not isinstance(doc, dict):
-        _ignored(where, f"foreign: a JSON {type(doc).__name__}, not an object")
+        warn_ignored(where, f"foreign: a JSON {type(doc).__name__}, not an object")
         return None
     if _too_deep(doc, MAX_JSON_DEPTH):
-        _ignored(where, f"foreign: nested deeper than {MAX_JSON_DEPTH} levels")
+        warn_ignored(where, f"foreign: nested deeper than {MAX_JSON_DEPTH} levels")
         return None
     return doc
 
@@ -715,17 +675,12 @@ def _write_atomic(path: Path, data: bytes) -> bool:
         tmp = None
         return True
     except OSError as exc:
-        _ignored(path, f"cannot write: {type(exc).__name__}: {exc}")
+        warn_ignored(path, f"cannot write: {type(exc).__name__}: {exc}")
         return False
     finally:
         if tmp is not None:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
-
-
-def _ignored(path: Path | str, reason: str) -> None:
-    """Warn once per file and reason; never raises."""
-    warn_ignored(path, reason)
 
 
 def _after_fork_in_child() -> None:
@@ -741,18 +696,12 @@ if hasattr(os, "register_at_fork"):
 
 
 def use_torch_caches(root: Path | str) -> Path:
-    """Point torch's on-disk compile caches at ``root/torch``; returns the directory in use.
+    """Point torch's on-disk compile caches at ``root/torch``; the directory in use.
 
-    Sets ``TORCHINDUCTOR_CACHE_DIR`` in ``os.environ``: torch reads it at every cache
-    access (inductor's FX-graph cache, AOTAutograd's cache, dynamo's PGO profiles, the
-    C++ build dir, and Triton's cache unless ``TRITON_CACHE_DIR`` is set), and an
-    environment variable applies to every thread, unlike ``torch._inductor.config``
-    assignments (thread-local in torch 2.13). Nothing is switched on: both caches are on
-    by default; :func:`torch_cache_settings` says what the current thread sees.
-
-    A ``TORCHINDUCTOR_CACHE_DIR`` the user chose (other than torch's default) is kept and
-    returned. Idempotent; call it before the first compile (dynamo's precompile cache
-    and a Triton dir already derived by a compile keep their old place otherwise).
+    Sets ``TORCHINDUCTOR_CACHE_DIR``, which torch reads at every cache access and which,
+    unlike a ``torch._inductor.config`` assignment (thread-local), every thread sees. A
+    directory the user chose (not torch's default) is kept. Call it before the first
+    compile: a Triton dir a compile derived already is moved along, dynamo's is not.
     """
     target = (Path(root) / "torch").absolute()
     with _lock:
@@ -773,8 +722,7 @@ def use_torch_caches(root: Path | str) -> Path:
 
 
 def _is_torch_default(directory: str) -> bool:
-    """Whether ``directory`` is torch's default cache dir (which torch itself writes into
-    ``TORCHINDUCTOR_CACHE_DIR`` at its first cache access)."""
+    """Whether ``directory`` is torch's default (torch sets the variable to it itself)."""
     default = torchcompat.default_cache_dir()
     if default is None:  # the same rule, without importing torch._inductor (~1.5 s)
         try:
@@ -788,12 +736,8 @@ def _is_torch_default(directory: str) -> bool:
 
 
 def torch_cache_settings() -> dict[str, object]:
-    """What the calling thread's torch config says about the caches (for reports).
-
-    These are ``torch._inductor.config`` / ``torch._functorch.config`` values: thread-local
-    overrides in torch 2.13, so a worker thread sees the defaults (caches on) even where
-    the main thread switched them off.
-    """
+    """What the calling thread's torch config says about the caches (for reports;
+    thread-local: a worker sees the defaults where the main thread switched them off)."""
     settings = torchcompat.config_settings()
     return {"cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")} | {
         k: bool(v) for k, v in settings.items()

@@ -1,22 +1,12 @@
 """Compile once per fleet: a shared Redis behind torch's remote caches and our verdicts.
 
-``SAFECOMPILE_REMOTE_CACHE=redis://host:port[/db]`` (``rediss://`` for TLS, ``unix://``
-for a socket; read at each decoration, never at import) turns on, process-wide:
-
-- torch's own remote caches: inductor's FX-graph cache, AOTAutograd's cache and Triton's
-  autotuning cache (``torch._inductor.config.fx_graph_remote_cache``,
-  ``autotune_remote_cache``, ``torch._functorch.config.enable_remote_autograd_cache``;
-  not ``bundled_autotune_remote_cache``, see ``TORCH_FLAGS``), so a graph one replica
-  compiled is loaded by the next. torch's key format and serialisation are kept; only the
-  transport is ours (:class:`RedisLink`, installed as the ``RedisRemoteCache`` backend), so
-  a Redis that is down or hangs costs one short timeout and one log event, not torch's
-  client's ten retries per lookup;
-- a verdict tier (:class:`RemoteVerdicts`) under the same artifact keys as the local
-  verdict files, so a function known to fail on this stack is skipped fleet-wide.
-
-A flag the user set (``TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE=0``, an assignment in
-``torch._inductor.config``) is kept. Without redis-py, or with a URL that does not parse,
-one warning event says so and everything stays local: a call never fails for the cache.
+``SAFECOMPILE_REMOTE_CACHE=redis://host:port[/db]`` (``rediss://``, ``unix://``; read at
+each decoration) turns on, process-wide, torch's own remote caches (FX-graph, AOTAutograd,
+autotuning: see ``TORCH_FLAGS``) over our transport (:class:`RedisLink`: one short timeout
+and one log event when Redis is down, not torch's ten retries per lookup; every value
+sealed with the operator's key), and a verdict tier (:class:`RemoteVerdicts`) under the
+local verdicts' keys. A flag the user set is kept; without redis-py, a key or a URL that
+parses, one warning says so and everything stays local.
 """
 
 from __future__ import annotations
@@ -72,9 +62,7 @@ class RemoteUnavailableError(Exception):
 
 
 def parse_url(value: str) -> str:
-    """``value`` stripped, once it is a ``redis://``, ``rediss://`` or ``unix://`` URL;
-    ``ValueError`` naming what is wrong otherwise. A ``#fragment`` is refused (it names a
-    key, see the fleet kill switch's source)."""
+    """``value`` stripped, once it is a Redis URL without a ``#key``; else ``ValueError``."""
     text = value.strip()
     parts = urllib.parse.urlsplit(text)
     if parts.scheme not in _SCHEMES:
@@ -117,15 +105,9 @@ _every_link: weakref.WeakSet[RedisLink] = weakref.WeakSet()  # reset in a forked
 
 
 class RedisLink:
-    """One lazily built redis-py client with short timeouts and no retries, and a breaker.
-
-    :meth:`run` runs one command; any failure (redis-py missing, refused, timed out, a
-    Redis that went away) raises :class:`RemoteUnavailableError` and makes the next
-    ``retry_after`` seconds fail at once without touching the network. One warning event
-    (``safecompile.remote_cache_unavailable``) per outage, one info event
-    (``safecompile.remote_cache_restored``) when it answers again (none with ``quiet``).
-    Thread-safe.
-    """
+    """One lazily built redis-py client (short timeouts, no retries) behind a breaker:
+    after any failure the next ``retry_after`` seconds fail at once, off the network. One
+    warning per outage, one event when it answers again (neither with ``quiet``)."""
 
     def __init__(
         self,
@@ -171,6 +153,13 @@ class RedisLink:
                 )
         return result
 
+    def run_or(self, command: Callable[[Any], T], failed: T) -> T:
+        """``command(client)``, or ``failed`` when Redis cannot be used now."""
+        try:
+            return self.run(command)
+        except RemoteUnavailableError:
+            return failed
+
     @property
     def available(self) -> bool:
         """Whether the next command will touch the network (not backing off)."""
@@ -193,8 +182,7 @@ class RedisLink:
         return client
 
     def _after_fork(self) -> None:
-        """In a forked child: a lock held at the fork stays held; the client's sockets are
-        the parent's."""
+        """In a forked child: a fresh lock, and no parent's sockets."""
         self._lock = threading.Lock()
         self._client = None
 
@@ -235,13 +223,9 @@ class RedisLink:
 
 
 class RemoteVerdicts:
-    """Verdict documents in Redis: one hash per artifact key, one field per scope.
-
-    The values are the same JSON documents the local store writes (validated the same way
-    by :class:`safecompile.persist.cache.VerdictStore`); a put refreshes the key's TTL
-    (``VERDICT_TTL_S``) so verdicts of a stack nobody runs any more age out. Every method
-    answers "nothing" (``None``, ``False``, ``0``, ``{}``) when Redis cannot be used.
-    """
+    """Verdict documents in Redis (the local store's, checked by it alike): one hash per
+    artifact key, one field per scope. A put refreshes the TTL, so an old stack's verdicts
+    age out; every method answers "nothing" when Redis cannot be used."""
 
     def __init__(self, link: RedisLink, *, ttl: float = VERDICT_TTL_S) -> None:
         self.link = link
@@ -258,33 +242,24 @@ class RemoteVerdicts:
 
     def get(self, key: str, scope: str = "") -> bytes | None:
         """The document for ``(key, scope)``, or ``None``."""
-        try:
-            value = self.link.run(lambda r: r.hget(self.name(key), scope))
-        except RemoteUnavailableError:
-            return None
+        value = self.link.run_or(lambda r: r.hget(self.name(key), scope), None)
         return value if isinstance(value, bytes) else None
 
     def put(self, key: str, scope: str, document: bytes) -> bool:
         """Store ``document`` for ``(key, scope)``; ``False`` if Redis could not be used."""
 
-        def command(r: Any) -> None:
+        def command(r: Any) -> bool:
             pipe = r.pipeline(transaction=True)
             pipe.hset(self.name(key), scope, document)
             pipe.expire(self.name(key), self.ttl)
             pipe.execute()
+            return True
 
-        try:
-            self.link.run(command)
-        except RemoteUnavailableError:
-            return False
-        return True
+        return self.link.run_or(command, False)
 
     def all(self, key: str) -> dict[str, bytes]:
         """Every document under ``key``, by scope."""
-        try:
-            found = self.link.run(lambda r: r.hgetall(self.name(key)))
-        except RemoteUnavailableError:
-            return {}
+        found: dict[Any, Any] = self.link.run_or(lambda r: r.hgetall(self.name(key)), {})
         out: dict[str, bytes] = {}
         for field, value in dict(found or {}).items():
             scope = field.decode("utf-8", "replace") if isinstance(field, bytes) else str(field)
@@ -293,25 +268,18 @@ class RemoteVerdicts:
         return out
 
     def put_blob(self, key: str, name: str, data: bytes) -> bool:
-        """Store a binary artifact next to ``key``'s verdicts (e.g. torch's portable
-        compile artifacts, ``torch.compiler.save_cache_artifacts()``); same TTL."""
-        try:
-            self.link.run(lambda r: r.set(f"{BLOB_PREFIX}{key}:{name}", data, ex=self.ttl))
-        except RemoteUnavailableError:
-            return False
-        return True
+        """Store a (sealed) binary artifact next to ``key``'s verdicts; same TTL."""
+        blob = f"{BLOB_PREFIX}{key}:{name}"
+        return bool(self.link.run_or(lambda r: r.set(blob, data, ex=self.ttl), False))
 
     def get_blob(self, key: str, name: str) -> bytes | None:
         """A blob :meth:`put_blob` stored, or ``None``."""
-        try:
-            value = self.link.run(lambda r: r.get(f"{BLOB_PREFIX}{key}:{name}"))
-        except RemoteUnavailableError:
-            return None
+        value = self.link.run_or(lambda r: r.get(f"{BLOB_PREFIX}{key}:{name}"), None)
         return value if isinstance(value, bytes) else None
 
     def delete(self, key: str | None = None, scope: str | None = None) -> int:
-        """Delete one document, every document (and blob) of ``key``, or every verdict and
-        blob (``key=None``); the number of Redis keys or fields removed."""
+        """Delete one document, all of ``key``'s (blobs too), or everything (``key=None``);
+        the number of Redis keys or fields removed."""
 
         def command(r: Any) -> int:
             if key is not None and scope is not None:
@@ -324,10 +292,7 @@ class RemoteVerdicts:
                 names.append(self.name(key))
             return int(r.delete(*names)) if names else 0
 
-        try:
-            return self.link.run(command)
-        except RemoteUnavailableError:
-            return 0
+        return self.link.run_or(command, 0)
 
 
 # ---------------------------------------------------------------- activation
@@ -339,8 +304,7 @@ _unavailable = Once()  # (url, reason) pairs said
 
 
 def link_for(url: str, purpose: str) -> RedisLink:
-    """The process's one :class:`RedisLink` for ``(url, purpose)`` (``ValueError`` on a
-    bad URL)."""
+    """The process's one :class:`RedisLink` for ``(url, purpose)``."""
     with _lock:
         link = _links.get((url, purpose))
         if link is None:
@@ -348,18 +312,11 @@ def link_for(url: str, purpose: str) -> RedisLink:
         return link
 
 
-def remote_url() -> str | None:
-    """``SAFECOMPILE_REMOTE_CACHE``, stripped, or ``None`` when unset or empty."""
-    value = os.environ.get(REMOTE_ENV_VAR, "").strip()
-    return value or None
-
-
 def activate() -> RemoteVerdicts | None:
     """Read ``SAFECOMPILE_REMOTE_CACHE``; when set, switch torch's remote caches on over it
-    (once per URL) and return the verdict tier. ``None`` (local only) when unset, when the
-    URL does not parse or redis-py is missing (one warning event each). Never raises."""
-    url = remote_url()
-    if url is None:
+    (once per URL) and return the verdict tier; ``None``: local only. Never raises."""
+    url = os.environ.get(REMOTE_ENV_VAR, "").strip()
+    if not url:
         return None
     try:
         with _lock:
@@ -372,9 +329,7 @@ def activate() -> RemoteVerdicts | None:
         return None
 
 
-def remote_verdicts() -> RemoteVerdicts | None:
-    """The verdict tier for the current ``SAFECOMPILE_REMOTE_CACHE`` (see :func:`activate`)."""
-    return activate()
+remote_verdicts = activate  # the verdict tier, for the store that asks for it
 
 
 def _first_activation(url: str) -> RemoteVerdicts | None:
@@ -425,8 +380,7 @@ _undo: list[Callable[[], None]] = []  # what use_torch_remote_caches changed, fo
 
 
 def reset() -> None:
-    """Forget every link and activation, and put torch's flags and cache transport back as
-    they were (for tests)."""
+    """Forget every link and activation; torch's flags and transport as they were (tests)."""
     with _lock:
         _links.clear()
         _active.clear()
@@ -453,15 +407,11 @@ if hasattr(os, "register_at_fork"):
 def use_torch_remote_caches(link: RedisLink, key: Signer) -> list[str]:
     """Switch torch's remote caches on over ``link``; the flags now on.
 
-    The transport: ``link`` becomes the backend of torch's ``RedisRemoteCache`` (all of
-    FX-graph, AOTAutograd and autotuning caches derive from it), so torch's lookups share
-    our short timeouts and breaker, and every value is sealed with ``key`` when written
-    and verified before torch sees it (an entry that does not verify is a miss, with one
-    warning: torch unpickles what it reads). The flags: each is set for every thread (its
-    environment variable, and the config entry's process-wide default when the config
-    module is already imported; torch's config assignments are thread-local) unless the
-    user set it.
-    """
+    ``link`` becomes the backend of torch's ``RedisRemoteCache`` (every remote cache
+    derives from it); values are sealed with ``key`` and verified before torch unpickles
+    them. Each flag is set for every thread (its environment variable, and the config
+    entry's default when already imported: assignments are thread-local) unless the user
+    set it."""
     classes = torchcompat.remote_cache_classes()  # ~0.1 s, only when used
     if isinstance(classes, torchcompat.Missing):
         torch_missing(classes)
@@ -503,14 +453,9 @@ def _restore_env(name: str, value: str | None) -> None:
 
 TORCH_PURPOSE = "torch"  # the MAC's purpose for torch's remote-cache values
 
-_reads = threading.local()  # per thread: torch's values read from Redis, and a mark
+_reads = threading.local()  # per thread: values handed to torch from Redis, and a mark
 _suspended: list[str] = []  # why torch's reads from Redis are off in this process
 _cache_errors = [0]  # compiles that failed on what torch read from Redis
-
-
-def note_torch_hit() -> None:
-    """A value torch's caches read from Redis (verified) was handed to torch."""
-    _reads.count = getattr(_reads, "count", 0) + 1
 
 
 def mark_compile() -> None:
@@ -518,17 +463,11 @@ def mark_compile() -> None:
     _reads.mark = getattr(_reads, "count", 0)
 
 
-def read_since_mark() -> int:
-    """Values handed to torch from Redis on this thread since :func:`mark_compile`."""
-    return getattr(_reads, "count", 0) - getattr(_reads, "mark", 0)
-
-
 def cache_fault(error: BaseException) -> bool:
     """A compile on this thread failed: whether it read from torch's remote caches since
-    it started. If so the failure is the cache's, not the function's: torch's reads from
-    Redis stay off in this process from now on (a retry compiles without them; writes go
-    on, so the fresh compile replaces the entry), it is counted, and one warning says so."""
-    if read_since_mark() <= 0:
+    it started. If so the failure is the cache's: torch's reads from Redis stay off in this
+    process (writes go on, so a fresh compile replaces the entry), with one warning."""
+    if getattr(_reads, "count", 0) <= getattr(_reads, "mark", 0):
         return False
     _reads.mark = getattr(_reads, "count", 0)
     with _lock:
@@ -552,9 +491,7 @@ def cache_errors() -> int:
 
 
 def _torch_backend(link: RedisLink, signing: Signer, base: Any) -> Callable[[], Any]:
-    """A ``RemoteCacheBackend[bytes]`` factory over ``link`` (torch calls it per cache;
-    ``base``: torch's ``RemoteCacheBackend``), sealing values with ``signing``'s key under
-    their Redis key."""
+    """torch's ``RemoteCacheBackend[bytes]`` (``base``) over ``link``, values sealed."""
 
     class SafecompileRedisBackend(base[bytes]):  # type: ignore[misc]
         """torch's remote-cache transport over safecompile's :class:`RedisLink`."""
@@ -562,10 +499,7 @@ def _torch_backend(link: RedisLink, signing: Signer, base: Any) -> Callable[[], 
         def _get(self, key: str) -> bytes | None:
             if _suspended:
                 return None  # after a cache error: compile without what Redis holds
-            try:
-                value = link.run(lambda r: r.get(key))
-            except RemoteUnavailableError:
-                return None
+            value = link.run_or(lambda r: r.get(key), None)
             if not isinstance(value, bytes):
                 return None
             try:
@@ -573,14 +507,11 @@ def _torch_backend(link: RedisLink, signing: Signer, base: Any) -> Callable[[], 
             except ValueError as exc:  # never handed to torch, which would unpickle it
                 warn_ignored(f"{redacted(link.url)} {key}", str(exc))
                 return None
-            note_torch_hit()
+            _reads.count = getattr(_reads, "count", 0) + 1  # handed to torch: see cache_fault
             return data
 
         def _put(self, key: str, data: bytes) -> None:
             sealed = signing.seal(TORCH_PURPOSE, key, data)
-            try:
-                link.run(lambda r: r.set(key, sealed))
-            except RemoteUnavailableError:
-                return
+            link.run_or(lambda r: r.set(key, sealed), None)
 
     return SafecompileRedisBackend

@@ -1,26 +1,17 @@
 """What a restarted process need not learn again: bucket verdicts, torch's artifacts.
 
-Under ``SAFECOMPILE_CACHE_DIR`` (a no-op without it), keyed by :func:`._cache.artifact_key`
-of the guarded code, torch, Python, device and compile options, plus the ``Buckets``
-policy and the shadow tolerances (a padding verdict depends on both):
+Under ``SAFECOMPILE_CACHE_DIR``, keyed by the guarded code's artifact key plus the
+``Buckets`` policy and the tolerances (a padding verdict depends on both):
 
-- **bucket verdicts** (in the :class:`._cache.VerdictStore`, one per bucket, scoped by
-  the bucket's key): a bucket whose padding was verified, with its learned output cut,
-  or a bucket rejected, with why. A restarted process cuts a verified bucket's outputs
-  back without running eager to verify its padding again (its first padded output must
-  have exactly the tensors and shapes recorded, else it is verified as if new), and
-  runs a rejected bucket eager without compiling it. A verdict holds for the code and
-  its parameter shapes, not for parameter values: shadow checks, when on, still compare
-  with eager.
-- **torch's portable compile artifacts** (``torch.compiler.save_cache_artifacts()``:
-  inductor's FX graphs and AOTAutograd's entries, as one blob in ``artifacts/``),
-  written after each warmup and loaded once, before the first compile, when torch's
-  on-disk cache is not the one they were written from (a fresh or ephemeral
-  ``TORCHINDUCTOR_CACHE_DIR``, another machine). With the cache dir warm the blob is
-  not needed and not loaded.
+- **bucket verdicts**, one per bucket: verified, with its learned output cut (a restart
+  cuts its outputs without running eager, once its first padded output matches the
+  recorded tensors and shapes), or rejected, with why (it runs eager, uncompiled). Shadow
+  checks, when on, still compare with eager: a verdict holds for code, not values;
+- **torch's portable compile artifacts** (``torch.compiler.save_cache_artifacts()``, one
+  sealed blob in ``artifacts/``), written after each warmup and loaded once, before the
+  first compile, unless torch's on-disk cache is the one they were written from.
 
-Nothing here ever fails a call: a failure is one warning (``safecompile.cache_file_ignored``)
-and the guard learns as if nothing had been persisted.
+Nothing here fails a call: a failure is one ``safecompile.cache_file_ignored`` warning.
 """
 
 from __future__ import annotations
@@ -184,10 +175,10 @@ class Persisted:
                 return
             if len(sealed) > MAX_ARTIFACT_BYTES:
                 raise ValueError(f"larger than {MAX_ARTIFACT_BYTES} bytes")
-            assert signing is not None  # no key, no _root
+            assert signing is not None  # no key, no store
             blob = signing.unseal(_ARTIFACTS_PURPOSE, key, sealed)  # torch unpickles it
         except (OSError, ValueError) as exc:
-            _ignored(path, f"not loaded: {type(exc).__name__}: {exc}")
+            _warn(str(path), f"not loaded: {type(exc).__name__}: {exc}")
             return
         try:
             torch.compiler.load_cache_artifacts(blob)
@@ -207,8 +198,7 @@ class Persisted:
             blob, _ = saved
             path = self._blob(key)
             signing = self._store.signer
-            if signing is None:
-                return
+            assert signing is not None  # no key, no store
             if not _write_atomic(path, signing.seal(_ARTIFACTS_PURPOSE, key, blob)):
                 return
             self._store.put(
@@ -249,11 +239,9 @@ class Persisted:
 
 
 def _check_cut(plan: Plan, saved: list[Any]) -> None:
-    """``ValueError`` unless a restored cut is consistent with its bucket: well formed
-    (each tensor's path, padded shape, distinct cut dims within it, axes of the plan), and
-    every axis the plan pads is cut wherever an output keeps that axis's padded size (a
-    cut that keeps the pad rows would hand the caller padded results). A consistent cut
-    is then matched against the output itself by ``Bucketer.restored_cuts``."""
+    """``ValueError`` unless a restored cut is well formed and cuts every padded axis
+    wherever an output keeps its padded size (else the caller would get pad rows);
+    ``Bucketer.restored_cuts`` then matches it against the output itself."""
     if not isinstance(saved, list):
         raise ValueError("a cut is a list")
     pairs = zip(plan.lengths, plan.sizes, strict=True)
@@ -298,16 +286,6 @@ def _compile_lock() -> Any:
     return lock if lock is not None else threading.Lock()
 
 
-def _ignored(path: Path, reason: str) -> None:
-    log_event(
-        "safecompile.cache_file_ignored", level=logging.WARNING, path=str(path), reason=reason
-    )
-
-
-def _warn(what: str, exc: BaseException) -> None:
-    log_event(
-        "safecompile.cache_file_ignored",
-        level=logging.WARNING,
-        path=what,
-        reason=f"{type(exc).__name__}: {exc}",
-    )
+def _warn(what: str, problem: str | BaseException) -> None:
+    reason = problem if isinstance(problem, str) else f"{type(problem).__name__}: {problem}"
+    log_event("safecompile.cache_file_ignored", level=logging.WARNING, path=what, reason=reason)

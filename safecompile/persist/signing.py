@@ -1,20 +1,12 @@
 """Shared storage is code: what is read back from it is authenticated first.
 
-torch unpickles what its caches hold, and safecompile acts on its verdicts (a verified
-bucket's output cut, a known compile failure), so whoever can write the cache directory or
-the remote Redis could run code in, or change the results of, every process that reads it.
-Each entry safecompile writes there carries an HMAC-SHA256 under the operator's key, and is
-verified before its bytes reach torch or a decision:
-
-- ``SAFECOMPILE_CACHE_KEY``: the key itself (at least 16 characters), or
-- ``SAFECOMPILE_CACHE_KEY_FILE``: a file holding it (a Kubernetes secret, say; surrounding
-  whitespace dropped). The file must be a regular file, not writable by other users, owned
-  by this user or root; it is read once per process, with a timeout.
-
-The MAC covers a purpose (``"verdict"``, ``"artifacts"``, ``"torch"``), the entry's name
-(its artifact key and scope, or torch's Redis key) and the bytes, so an entry cannot be
-moved to another name or used for another purpose. Without a key nothing that would be
-trusted is read back: see ``docs/security.md`` for what still works.
+torch unpickles what its caches hold and safecompile acts on its verdicts, so whoever can
+write the cache directory or the remote Redis could run code in every process reading it.
+Each entry written there carries an HMAC-SHA256 under the operator's key
+(``SAFECOMPILE_CACHE_KEY``, at least 16 characters, or ``SAFECOMPILE_CACHE_KEY_FILE``: a
+regular file only this user or root can write, read once per process) over its purpose,
+its name and its bytes, so it cannot be moved to another name or purpose. Without a key
+nothing that would be trusted is read back (docs/security.md).
 """
 
 from __future__ import annotations
@@ -106,8 +98,8 @@ def _canonical(doc: Mapping[str, Any]) -> bytes:
 
 
 def signer() -> Signer | None:
-    """The operator's key as a :class:`Signer`, or ``None`` (no key, or one that cannot be
-    used: one warning each). The variables are read at each call; a key file once per path."""
+    """The operator's key as a :class:`Signer`, or ``None`` (no key, or an unusable one:
+    one warning). The variables are read at each call; a key file once per path."""
     value = os.environ.get(KEY_ENV_VAR, "")
     if value.strip():
         return _checked(value.strip().encode(), KEY_ENV_VAR)
@@ -151,8 +143,7 @@ def _read_key_file(path: Path) -> bytes | None:
 
 
 def owner_problem(path: Path, info: os.stat_result, *, allow_root: bool = False) -> str | None:
-    """Why another user could change what ``path`` holds (owned by someone else, or
-    writable by group or others), or ``None`` when only this user (or root) can."""
+    """Why another user could change what ``path`` holds, or ``None`` when none can."""
     uid = os.geteuid()
     if info.st_uid != uid and not (allow_root and info.st_uid == 0):
         return f"{path} is owned by uid {info.st_uid}, not this process's ({uid})"
