@@ -167,8 +167,7 @@ class RedisLink:
         return until is None or self._clock() >= until
 
     def _client_now(self) -> Any:
-        until = self._down_until
-        if until is not None and self._clock() < until:
+        if not self.available:
             raise RemoteUnavailableError(f"{self.purpose}: backing off after a failure")
         client = self._client
         if client is None:
@@ -188,19 +187,17 @@ class RedisLink:
 
     def _build(self) -> Any:
         redis = _import_redis()
-        if redis is None:
-            self._failed("redis-py is not installed (pip install 'safecompile[redis]')")
-            raise RemoteUnavailableError("redis-py is not installed")
-        retry = redis.retry.Retry(redis.backoff.NoBackoff(), 0)
-        options: dict[str, Any] = {
-            "socket_timeout": SOCKET_TIMEOUT_S,
-            "socket_connect_timeout": CONNECT_TIMEOUT_S,
-            "retry": retry,
-            "health_check_interval": 0,
-        }
-        if self.url.startswith("unix://"):
-            options.pop("socket_connect_timeout")
-        try:  # options in the URL's query (?socket_timeout=2) win over ours
+        try:
+            if redis is None:
+                raise ImportError("redis-py is not installed (pip install 'safecompile[redis]')")
+            options: dict[str, Any] = {
+                "socket_timeout": SOCKET_TIMEOUT_S,
+                "retry": redis.retry.Retry(redis.backoff.NoBackoff(), 0),
+                "health_check_interval": 0,
+            }
+            if not self.url.startswith("unix://"):
+                options["socket_connect_timeout"] = CONNECT_TIMEOUT_S
+            # options in the URL's query (?socket_timeout=2) win over ours
             return redis.Redis.from_url(self.url, **options)
         except Exception as exc:
             self._failed(f"{type(exc).__name__}: {exc}")
@@ -385,7 +382,6 @@ def reset() -> None:
         _links.clear()
         _active.clear()
         _suspended.clear()
-        _cache_errors[0] = 0
         undo, _undo[:] = list(_undo), []
     _unavailable.forget()
     for step in reversed(undo):
@@ -454,12 +450,11 @@ def _restore_env(name: str, value: str | None) -> None:
 TORCH_PURPOSE = "torch"  # the MAC's purpose for torch's remote-cache values
 
 _reads = threading.local()  # per thread: values handed to torch from Redis, and a mark
-_suspended: list[str] = []  # why torch's reads from Redis are off in this process
-_cache_errors = [0]  # compiles that failed on what torch read from Redis
+_suspended: list[str] = []  # compiles that failed on what torch read from Redis: reads off
 
 
 def mark_compile() -> None:
-    """A compile starts on this thread: :func:`read_since_mark` counts from here."""
+    """A compile starts on this thread: :func:`cache_fault` counts reads from here."""
     _reads.mark = getattr(_reads, "count", 0)
 
 
@@ -471,7 +466,6 @@ def cache_fault(error: BaseException) -> bool:
         return False
     _reads.mark = getattr(_reads, "count", 0)
     with _lock:
-        _cache_errors[0] += 1
         first = not _suspended
         _suspended.append(f"{type(error).__name__}: {error}"[:300])
     if first:
@@ -487,7 +481,7 @@ def cache_fault(error: BaseException) -> bool:
 
 def cache_errors() -> int:
     """Compiles that failed on what torch read from Redis, in this process."""
-    return _cache_errors[0]
+    return len(_suspended)
 
 
 def _torch_backend(link: RedisLink, signing: Signer, base: Any) -> Callable[[], Any]:
