@@ -36,7 +36,7 @@ _SHADOW = Shadow()  # policies are frozen: one default instance serves every rec
 _ROLLBACK = Rollback()
 
 
-def backend_name(backend: str | Callable[..., Any]) -> str:
+def backend_name(backend: object) -> str:
     """A readable name for a backend given as a name or a callable."""
     if isinstance(backend, str):
         return backend

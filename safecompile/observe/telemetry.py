@@ -1,19 +1,14 @@
 """OpenTelemetry traces and metrics, and structlog events, for one guarded callable.
 
-Names are fixed: they are the public contract (docs/telemetry.md). One frozen
-:class:`~safecompile.Event` feeds every sink:
-
-- ``compiled`` / ``compile_failed``: a ``safecompile.compile`` span (made after the fact
-  from the event's end time and duration) with one ``safecompile.graph_break`` event per
-  break, and the ``safecompile.compile.duration`` histogram;
-- ``rollback``: a ``safecompile.rollback`` span and the ``safecompile.rollbacks`` counter;
-- every event: one structlog event ``safecompile.<kind>``.
-
-Shadow checks feed ``safecompile.shadow.checks`` and ``safecompile.drift`` (and a
-``safecompile.shadow_check`` span for canary checks and breaches); call counts are read
-by an observable counter, ``safecompile.calls``, only when a metric reader collects.
-No span per call. Nothing here ever raises into the caller: a failure is reported once
-through the ``safecompile`` stdlib logger and otherwise ignored.
+The names are a public contract (docs/telemetry.md). One frozen :class:`~safecompile.Event`
+feeds every sink: a compile makes a ``safecompile.compile`` span (after the fact, one
+``safecompile.graph_break`` event per break) and a ``safecompile.compile.duration`` point;
+a rollback a ``safecompile.rollback`` span and a ``safecompile.rollbacks`` count; every
+event one structlog event ``safecompile.<kind>``. Shadow checks feed
+``safecompile.shadow.checks`` and ``safecompile.drift`` (and a span for canary checks and
+breaches); ``safecompile.calls`` and ``safecompile.graphs`` are read only when a metric
+reader collects. No span per call. Nothing here raises into the caller: a failure is
+reported once through the ``safecompile`` stdlib logger.
 """
 
 from __future__ import annotations
@@ -34,6 +29,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from safecompile._version import __version__
 from safecompile.base.model import Event, EventKind, Reason
+from safecompile.base.options import backend_name
 
 from .log import log_event, report_internal_error
 from .source import safe_message
@@ -81,17 +77,10 @@ def _never_raises(where: str) -> Callable[[Callable[_P, None]], Callable[_P, Non
 # ---------------------------------------------------------------------------- configuration
 
 
-class _Defaults:
-    """Process-wide providers set by :func:`configure` (``None``: OpenTelemetry's globals)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.tracer_provider: trace.TracerProvider | None = None
-        self.meter_provider: metrics.MeterProvider | None = None
-        self.generation = 0
-
-
-_defaults = _Defaults()
+# (generation, tracer provider, meter provider) that configure() set; None: OpenTelemetry's
+# globals. Replaced whole, so a reader never sees half of one configure().
+_defaults: tuple[int, trace.TracerProvider | None, metrics.MeterProvider | None] = (0, None, None)
+_configure_lock = threading.Lock()
 
 
 def configure(
@@ -105,15 +94,27 @@ def configure(
     guarded callable, including those decorated earlier. OpenTelemetry's own global
     providers are never set.
     """
-    with _defaults.lock:
-        _defaults.tracer_provider = tracer_provider
-        _defaults.meter_provider = meter_provider
-        _defaults.generation += 1
+    global _defaults
+    with _configure_lock:
+        _defaults = (_defaults[0] + 1, tracer_provider, meter_provider)
 
 
 # ---------------------------------------------------------------------------- instruments
 
 _GLOBAL = object()  # the key of OpenTelemetry's global providers
+
+
+def _observer(
+    where: str, read: Callable[[], list[Observation]]
+) -> Callable[[CallbackOptions], Iterable[Observation]]:
+    def callback(options: CallbackOptions) -> Iterable[Observation]:
+        try:
+            return read()
+        except Exception as exc:  # a metric reader must never see ours
+            report_internal_error(where, exc)
+            return []
+
+    return callback
 
 
 class _Instruments:
@@ -143,138 +144,96 @@ class _Instruments:
         self.retired: dict[str, list[int]] = {}  # counts of callables gone, per function
         self.calls = meter.create_observable_counter(
             "safecompile.calls",
-            callbacks=[self._observe_calls],
+            callbacks=[_observer("safecompile.calls", self._calls)],
             unit="{call}",
             description="Calls of guarded callables, by the path that served them.",
         )
         self.graphs = meter.create_observable_gauge(
             "safecompile.graphs",
-            callbacks=[self._observe_graphs],
+            callbacks=[_observer("safecompile.graphs", self._graphs)],
             unit="{graph}",
             description="Compiled graphs serving, by where their shadow checks stand.",
         )
 
-    def _observe_graphs(self, options: CallbackOptions) -> Iterable[Observation]:
-        try:
-            totals: dict[tuple[str, str], int] = {}
-            for entry in _calls_registry.entries():
-                for check, n in (entry.read_graphs(self) or {}).items():
-                    key = (entry.function, check)
-                    totals[key] = totals.get(key, 0) + int(n)
-            return [
-                Observation(n, {"safecompile.function": f, "safecompile.check": check})
-                for (f, check), n in totals.items()
-            ]
-        except Exception as exc:  # a metric reader must never see ours
-            report_internal_error("safecompile.graphs", exc)
-            return []
-
-    def _observe_calls(self, options: CallbackOptions) -> Iterable[Observation]:
-        try:
-            return self._observations()
-        except Exception as exc:  # a metric reader must never see ours
-            report_internal_error("safecompile.calls", exc)
-            return []
-
-    def _observations(self) -> list[Observation]:
-        totals: dict[str, list[int]] = {}
+    def _graphs(self) -> list[Observation]:
+        totals: dict[tuple[str, str], int] = {}
         for entry in _calls_registry.entries():
+            for check, n in (entry.read_graphs(self) or {}).items():
+                key = (entry.function, check)
+                totals[key] = totals.get(key, 0) + int(n)
+        return [
+            Observation(n, {"safecompile.function": f, "safecompile.check": check})
+            for (f, check), n in totals.items()
+        ]
+
+    def _calls(self) -> list[Observation]:
+        entries = _calls_registry.entries()  # first: it retires the callables gone
+        totals = {function: list(counts) for function, counts in list(self.retired.items())}
+        for entry in entries:
             counts = entry.read(self)
             if counts is not None:
                 total = totals.setdefault(entry.function, [0, 0])
                 total[0] += counts[0]
                 total[1] += counts[1]
-        for function, (compiled, eager) in list(self.retired.items()):
-            total = totals.setdefault(function, [0, 0])
-            total[0] += compiled
-            total[1] += eager
-        out = []
-        for function, (compiled, eager) in totals.items():
-            out.append(
-                Observation(
-                    compiled, {"safecompile.function": function, "safecompile.path": "compiled"}
-                )
-            )
-            out.append(
-                Observation(eager, {"safecompile.function": function, "safecompile.path": "eager"})
-            )
-        return out
+        return [
+            Observation(n, {"safecompile.function": function, "safecompile.path": path})
+            for function, counts in totals.items()
+            for path, n in zip(("compiled", "eager"), counts, strict=True)
+        ]
 
 
-class _InstrumentCache:
-    """Instruments per meter provider (an SDK meter ignores a second callback on a name)."""
+# Instruments per meter provider (an SDK meter ignores a second callback on a name).
+_instruments_lock = threading.Lock()
+_instruments_weak: weakref.WeakKeyDictionary[Any, _Instruments] = weakref.WeakKeyDictionary()
+_instruments_kept: dict[int, tuple[Any, _Instruments]] = {}  # providers not weakly referenceable
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._weak: weakref.WeakKeyDictionary[Any, _Instruments] = weakref.WeakKeyDictionary()
-        self._strong: dict[int, tuple[Any, _Instruments]] = {}
 
-    def get(self, provider: metrics.MeterProvider | None) -> _Instruments:
-        key: Any = _GLOBAL if provider is None else provider
-        with self._lock:
-            found = self._lookup(key)
-            if found is not None:
-                return found
-            meter = metrics.get_meter(_SCOPE, __version__, provider, schema_url=SCHEMA_URL)
-            instruments = _Instruments(meter)
-            try:
-                self._weak[key] = instruments
-            except TypeError:  # not weakly referenceable: kept for the process's life
-                self._strong[id(key)] = (key, instruments)
-            return instruments
-
-    def _lookup(self, key: Any) -> _Instruments | None:
+def _instruments_of(provider: metrics.MeterProvider | None) -> _Instruments:
+    key: Any = _GLOBAL if provider is None else provider
+    with _instruments_lock:
         try:
-            found = self._weak.get(key)
+            found = _instruments_weak.get(key)
         except TypeError:
-            found = None
-        if found is None and id(key) in self._strong:
-            found = self._strong[id(key)][1]
+            found = _instruments_kept[id(key)][1] if id(key) in _instruments_kept else None
+        if found is None:
+            meter = metrics.get_meter(_SCOPE, __version__, provider, schema_url=SCHEMA_URL)
+            found = _Instruments(meter)
+            try:
+                _instruments_weak[key] = found
+            except TypeError:  # kept for the process's life
+                _instruments_kept[id(key)] = (key, found)
         return found
 
 
-_instrument_cache = _InstrumentCache()
-
-
 class _CallsEntry:
-    """One guarded callable's call counts source, held weakly."""
+    """One guarded callable's count sources, held weakly."""
 
-    __slots__ = (
-        "__weakref__",
-        "function",
-        "graphs",
-        "last",
-        "last_instruments",
-        "owner",
-        "source",
-    )
+    __slots__ = ("function", "graphs", "last", "last_instruments", "owner", "source")
 
     def __init__(
         self,
         telemetry: Telemetry,
         source: Callable[[], tuple[int, int]],
-        graphs: Callable[[], Mapping[str, int]] | None = None,
+        graphs: Callable[[], Mapping[str, int]] | None,
     ) -> None:
-        self_ref = weakref.ref(self)
-
-        def dead(_: object) -> None:
-            _calls_registry.mark_dead(self_ref)
-
         self.function = telemetry.function
-        self.owner = weakref.ref(telemetry, dead)
-        self.source: weakref.ref[Callable[[], tuple[int, int]]] = _weak(source, dead)
-        self.graphs = _weak(graphs, dead) if graphs is not None else None
+        self.owner = weakref.ref(telemetry)
+        self.source = _weak(source)
+        self.graphs = _weak(graphs) if graphs is not None else None
         self.last = (0, 0)
         self.last_instruments: _Instruments | None = None
 
     def alive(self) -> bool:
         return self.owner() is not None and self.source() is not None
 
+    def _reports_to(self, instruments: _Instruments) -> bool:
+        owner = self.owner()
+        return owner is not None and owner._instruments() is instruments
+
     def read(self, instruments: _Instruments) -> tuple[int, int] | None:
         """This source's counts if it reports to ``instruments`` now; ``None`` otherwise."""
-        owner = self.owner()
         source = self.source()
-        if owner is None or source is None or owner._instruments() is not instruments:
+        if source is None or not self._reports_to(instruments):
             return None
         try:
             compiled, eager = source()
@@ -286,9 +245,8 @@ class _CallsEntry:
 
     def read_graphs(self, instruments: _Instruments) -> Mapping[str, int] | None:
         """This callable's graphs by check, if it reports to ``instruments`` now."""
-        owner = self.owner()
         source = self.graphs() if self.graphs is not None else None
-        if owner is None or source is None or owner._instruments() is not instruments:
+        if source is None or not self._reports_to(instruments):
             return None
         return source()
 
@@ -301,24 +259,21 @@ class _CallsEntry:
             total[1] += self.last[1]
 
 
-def _weak(fn: Callable[..., _R], dead: Callable[[Any], None]) -> weakref.ref[Callable[..., _R]]:
+def _weak(fn: Callable[..., _R]) -> weakref.ref[Callable[..., _R]]:
     """A weak reference to a callable (a bound method through ``WeakMethod``)."""
-    if inspect.ismethod(fn):
-        return weakref.WeakMethod(fn, dead)
-    return weakref.ref(fn, dead)
+    return weakref.WeakMethod(fn) if inspect.ismethod(fn) else weakref.ref(fn)
 
 
 class _CallsRegistry:
-    """Every live call-count source; dead ones are retired on the next read or register."""
+    """Every call-count source; one found dead is retired when the registry is next read."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entries: set[_CallsEntry] = set()
-        self._dead: list[weakref.ref[_CallsEntry]] = []
 
     def add(self, entry: _CallsEntry) -> None:
         with self._lock:
-            self._drain()
+            self._prune()
             self._entries.add(entry)
 
     def remove(self, entry: _CallsEntry) -> None:
@@ -327,22 +282,15 @@ class _CallsRegistry:
                 self._entries.discard(entry)
                 entry.retire()
 
-    def mark_dead(self, entry: weakref.ref[_CallsEntry]) -> None:
-        # Runs from a weakref callback (possibly inside gc, while another thread holds the
-        # lock): only append, which is atomic; the entry is retired under the lock later.
-        self._dead.append(entry)
-
     def entries(self) -> list[_CallsEntry]:
         with self._lock:
-            self._drain()
+            self._prune()
             return list(self._entries)
 
-    def _drain(self) -> None:
-        while self._dead:
-            entry = self._dead.pop()()
-            if entry is not None and entry in self._entries and not entry.alive():
-                self._entries.discard(entry)
-                entry.retire()
+    def _prune(self) -> None:
+        for entry in [e for e in self._entries if not e.alive()]:
+            self._entries.discard(entry)
+            entry.retire()
 
 
 _calls_registry = _CallsRegistry()
@@ -353,13 +301,6 @@ _calls_registry = _CallsRegistry()
 
 def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
-
-
-def _backend_label(backend: object) -> str:
-    if isinstance(backend, str):
-        return backend
-    name = getattr(backend, "__name__", None) or type(backend).__name__
-    return str(name)
 
 
 def _code_attributes(file: str | None, line: int | None, function: str | None) -> dict[str, Any]:
@@ -391,42 +332,34 @@ class Telemetry:
         meter_provider: metrics.MeterProvider | None = None,
     ) -> None:
         self.function = function
-        self.backend = _backend_label(backend)
+        self.backend = backend_name(backend)
         self._tracer_provider = tracer_provider
         self._meter_provider = meter_provider
         # (configure() generation, tracer) and (generation, instruments): each replaced
         # whole, so the metric reader's thread never sees a half-updated pair, and each
-        # resolved on its own, so a broken meter provider does not cost the spans (nor a
-        # broken tracer provider the metrics).
+        # resolved on its own, so a broken meter provider does not cost the spans.
         self._tracer_for: tuple[int, trace.Tracer] | None = None
         self._instruments_for: tuple[int, _Instruments] | None = None
         self._calls: _CallsEntry | None = None
 
     # ------------------------------------------------------------------ providers
 
-    def _providers(self) -> tuple[int, trace.TracerProvider | None, metrics.MeterProvider | None]:
-        with _defaults.lock:
-            return (
-                _defaults.generation,
-                self._tracer_provider or _defaults.tracer_provider,
-                self._meter_provider or _defaults.meter_provider,
-            )
-
     def _tracer(self) -> trace.Tracer:
+        generation, provider, _ = _defaults
         cached = self._tracer_for
-        if cached is not None and cached[0] == _defaults.generation:
+        if cached is not None and cached[0] == generation:
             return cached[1]
-        generation, provider, _ = self._providers()
+        provider = self._tracer_provider or provider
         tracer = trace.get_tracer(_SCOPE, __version__, provider, schema_url=SCHEMA_URL)
         self._tracer_for = (generation, tracer)
         return tracer
 
     def _instruments(self) -> _Instruments:
+        generation, _, provider = _defaults
         cached = self._instruments_for
-        if cached is not None and cached[0] == _defaults.generation:
+        if cached is not None and cached[0] == generation:
             return cached[1]
-        generation, _, provider = self._providers()
-        instruments = _instrument_cache.get(provider)
+        instruments = _instruments_of(self._meter_provider or provider)
         self._instruments_for = (generation, instruments)
         return instruments
 
@@ -451,8 +384,28 @@ class Telemetry:
             report_internal_error(where, exc)
             return None
 
-    def _base_attributes(self) -> dict[str, Any]:
-        return {"safecompile.function": self.function}
+    def _span(
+        self, name: str, start_ns: int, end_ns: int, fill: Callable[[trace.Span], None]
+    ) -> trace.Span:
+        """A span made after the fact; ``fill`` runs only when it is recorded."""
+        span = self._tracer().start_span(name, kind=SpanKind.INTERNAL, start_time=start_ns)
+        try:
+            if span.is_recording():
+                fill(span)
+        finally:
+            span.end(end_time=end_ns)
+        return span
+
+    def _event_attributes(self, ev: Event) -> dict[str, Any]:
+        """What compile and rollback spans share: the callable, bucket and the user's code."""
+        attributes = {"safecompile.function": self.function, "safecompile.backend": self.backend}
+        if ev.bucket is not None:
+            attributes["safecompile.bucket"] = ev.bucket
+        attributes.update(_code_attributes(ev.file, ev.line, ev.function))
+        generated = ev.details.get("generated_file")
+        if isinstance(generated, str):
+            attributes["safecompile.generated.file"] = generated
+        return attributes
 
     def _error_details(self, span: trace.Span, ev: Event, end_ns: int) -> None:
         """Status ERROR (described in plain words), ``error.type`` and an ``exception``
@@ -470,79 +423,59 @@ class Telemetry:
 
     def _compile_span(self, ev: Event) -> trace.Span:
         end_ns = _ns(ev.time) if ev.time > 0 else time.time_ns()
+        breaks = ev.details.get("graph_breaks") or ()
+
+        def fill(span: trace.Span) -> None:
+            attributes = self._event_attributes(ev)
+            graphs = ev.details.get("graphs")
+            if isinstance(graphs, int):
+                attributes["safecompile.graphs"] = graphs
+            attributes["safecompile.graph_breaks"] = len(breaks)
+            span.set_attributes(attributes)
+            for entry in breaks:
+                span.add_event(
+                    "safecompile.graph_break", _break_attributes(entry), timestamp=end_ns
+                )
+            if ev.kind is EventKind.COMPILE_FAILED:
+                self._error_details(span, ev, end_ns)
+
         start_ns = end_ns - _ns(max(ev.duration_s or 0.0, 0.0))
-        span = self._tracer().start_span(
-            "safecompile.compile", kind=SpanKind.INTERNAL, start_time=start_ns
-        )
-        try:
-            if span.is_recording():
-                attributes = self._base_attributes()
-                attributes["safecompile.backend"] = self.backend
-                if ev.bucket is not None:
-                    attributes["safecompile.bucket"] = ev.bucket
-                attributes.update(_code_attributes(ev.file, ev.line, ev.function))
-                generated = ev.details.get("generated_file")
-                if isinstance(generated, str):
-                    attributes["safecompile.generated.file"] = generated
-                graphs = ev.details.get("graphs")
-                if isinstance(graphs, int):
-                    attributes["safecompile.graphs"] = graphs
-                breaks = ev.details.get("graph_breaks") or ()
-                attributes["safecompile.graph_breaks"] = len(breaks)
-                span.set_attributes(attributes)
-                for entry in breaks:
-                    span.add_event(
-                        "safecompile.graph_break", _break_attributes(entry), timestamp=end_ns
-                    )
-                if ev.kind is EventKind.COMPILE_FAILED:
-                    self._error_details(span, ev, end_ns)
-        finally:
-            span.end(end_time=end_ns)
-        return span
+        return self._span("safecompile.compile", start_ns, end_ns, fill)
 
     def _compile_metric(self, ev: Event) -> None:
         if ev.duration_s is None or not math.isfinite(ev.duration_s):
             return
-        attributes = self._base_attributes()
+        attributes = {"safecompile.function": self.function}
         if ev.kind is EventKind.COMPILE_FAILED:
             attributes["error.type"] = ev.error_type or "_OTHER"
         self._instruments().compile_duration.record(max(ev.duration_s, 0.0), attributes)
 
     def _rollback_span(self, ev: Event) -> trace.Span:
         end_ns = _ns(ev.time) if ev.time > 0 else time.time_ns()
-        span = self._tracer().start_span(
-            "safecompile.rollback", kind=SpanKind.INTERNAL, start_time=end_ns
-        )
-        try:
-            if span.is_recording():
-                attributes = self._base_attributes()
-                attributes["safecompile.backend"] = self.backend
-                if ev.reason is not None:
-                    attributes["safecompile.reason"] = ev.reason.value
-                if ev.bucket is not None:
-                    attributes["safecompile.bucket"] = ev.bucket
-                if ev.max_abs_diff is not None:
-                    attributes["safecompile.drift.max_abs"] = float(ev.max_abs_diff)
-                if ev.max_rel_diff is not None:
-                    attributes["safecompile.drift.max_rel"] = float(ev.max_rel_diff)
-                attributes.update(_code_attributes(ev.file, ev.line, ev.function))
-                generated = ev.details.get("generated_file")
-                if isinstance(generated, str):
-                    attributes["safecompile.generated.file"] = generated
-                for key in ("peer_rank", "peer_reason", "rank"):  # ranks that agree
-                    value = ev.details.get(key)
-                    if isinstance(value, int | str):
-                        attributes[f"safecompile.{key.replace('_', '.')}"] = value
-                span.set_attributes(attributes)
-                if ev.error_type or ev.reason in _ERROR_REASONS:
-                    self._error_details(span, ev, end_ns)
-        finally:
-            span.end(end_time=end_ns)
-        return span
+
+        def fill(span: trace.Span) -> None:
+            attributes = self._event_attributes(ev)
+            if ev.reason is not None:
+                attributes["safecompile.reason"] = ev.reason.value
+            if ev.max_abs_diff is not None:
+                attributes["safecompile.drift.max_abs"] = float(ev.max_abs_diff)
+            if ev.max_rel_diff is not None:
+                attributes["safecompile.drift.max_rel"] = float(ev.max_rel_diff)
+            for key in ("peer_rank", "peer_reason", "rank"):  # ranks that agree
+                value = ev.details.get(key)
+                if isinstance(value, int | str):
+                    attributes[f"safecompile.{key.replace('_', '.')}"] = value
+            span.set_attributes(attributes)
+            if ev.error_type or ev.reason in _ERROR_REASONS:
+                self._error_details(span, ev, end_ns)
+
+        return self._span("safecompile.rollback", end_ns, end_ns, fill)
 
     def _rollback_metric(self, ev: Event) -> None:
-        attributes = self._base_attributes()
-        attributes["safecompile.reason"] = ev.reason.value if ev.reason else "unknown"
+        attributes = {
+            "safecompile.function": self.function,
+            "safecompile.reason": ev.reason.value if ev.reason else "unknown",
+        }
         self._instruments().rollbacks.add(1, attributes)
 
     def _log(self, ev: Event, span: trace.Span | None) -> None:
@@ -566,8 +499,8 @@ class Telemetry:
     ) -> None:
         """Count one shadow check; a span for canary checks (``log_span``) and breaches.
 
-        A non-finite ``max_rel`` (NaN, inf: the compiled output was not finite) is counted
-        but not recorded in the ``safecompile.drift`` histogram, whose sum it would spoil.
+        A non-finite ``max_rel`` (the compiled output was not finite) is counted but not
+        recorded in the ``safecompile.drift`` histogram, whose sum it would spoil.
         """
         result = "pass" if passed else "breach"
         self._guarded("safecompile.shadow.checks", self._shadow_metrics, result, max_rel)
@@ -583,29 +516,27 @@ class Telemetry:
 
     def _shadow_metrics(self, result: str, max_rel: float) -> None:
         instruments = self._instruments()
-        attributes = self._base_attributes()
+        attributes = {"safecompile.function": self.function}
         instruments.shadow_checks.add(1, {**attributes, "safecompile.result": result})
         if math.isfinite(max_rel):
             instruments.drift.record(max(float(max_rel), 0.0), attributes)
 
     def _shadow_span(self, result: str, max_abs: float, max_rel: float, bucket: str | None) -> None:
+        def fill(span: trace.Span) -> None:
+            attributes: dict[str, Any] = {
+                "safecompile.function": self.function,
+                "safecompile.result": result,
+                "safecompile.drift.max_abs": float(max_abs),
+                "safecompile.drift.max_rel": float(max_rel),
+            }
+            if bucket is not None:
+                attributes["safecompile.bucket"] = bucket
+            span.set_attributes(attributes)
+            if result == "breach":
+                span.set_status(Status(StatusCode.ERROR, "compiled output drifted from eager"))
+
         now = time.time_ns()
-        span = self._tracer().start_span(
-            "safecompile.shadow_check", kind=SpanKind.INTERNAL, start_time=now
-        )
-        try:
-            if span.is_recording():
-                attributes = self._base_attributes()
-                attributes["safecompile.result"] = result
-                attributes["safecompile.drift.max_abs"] = float(max_abs)
-                attributes["safecompile.drift.max_rel"] = float(max_rel)
-                if bucket is not None:
-                    attributes["safecompile.bucket"] = bucket
-                span.set_attributes(attributes)
-                if result == "breach":
-                    span.set_status(Status(StatusCode.ERROR, "compiled output drifted from eager"))
-        finally:
-            span.end(end_time=now)
+        self._span("safecompile.shadow_check", now, now, fill)
 
     # ------------------------------------------------------------------ call counts
 
@@ -619,8 +550,8 @@ class Telemetry:
         and ``graphs()`` (graphs by check: ``checked``, ``unchecked``, ``not_yet``) as the
         gauge ``safecompile.graphs``.
 
-        Read only when a metric reader collects: nothing on the call path. ``source`` is
-        held weakly (a bound method through ``weakref.WeakMethod``): when it, or this
+        Read only when a metric reader collects: nothing on the call path. Both are held
+        weakly (a bound method through ``weakref.WeakMethod``): once one, or this
         ``Telemetry``, is garbage collected, its counts stop being read (the last counts
         read stay in the totals, so the counter never goes down). Pass a bound method of
         the object whose life bounds the callable's; a lambda would vanish at once. A
@@ -642,35 +573,18 @@ class Telemetry:
 def _break_attributes(entry: object) -> dict[str, Any]:
     if not isinstance(entry, Mapping):
         return {"safecompile.graph_break.reason": safe_message(str(entry))}
-    attributes: dict[str, Any] = {
-        "safecompile.graph_break.reason": safe_message(str(entry.get("reason") or "unknown"))
-    }
     line = entry.get("line")
-    attributes.update(
-        _code_attributes(
+    return {
+        "safecompile.graph_break.reason": safe_message(str(entry.get("reason") or "unknown")),
+        **_code_attributes(
             str(entry["file"]) if entry.get("file") else None,
             line if isinstance(line, int) else None,
             str(entry["function"]) if entry.get("function") else None,
-        )
-    )
-    return attributes
+        ),
+    }
 
 
 _SCALARS = (str, int, float, bool)
-
-# The log fields read off an event, in this order: (name, its value or None to leave it out).
-_EVENT_FIELDS: tuple[tuple[str, Callable[[Event], Any]], ...] = (
-    ("reason", lambda ev: ev.reason.value if ev.reason is not None else None),
-    ("bucket", lambda ev: ev.bucket),
-    ("error_type", lambda ev: ev.error_type),
-    ("description", lambda ev: safe_message(ev.message) if ev.message else None),
-    ("code_file", lambda ev: ev.file),
-    ("code_line", lambda ev: ev.line),
-    ("code_function", lambda ev: ev.function),
-    ("max_abs_diff", lambda ev: ev.max_abs_diff),
-    ("max_rel_diff", lambda ev: ev.max_rel_diff),
-    ("duration_s", lambda ev: ev.duration_s),
-)
 
 
 def _rounded(value: Any) -> Any:
@@ -688,10 +602,19 @@ def _log_fields(telemetry: Telemetry, ev: Event) -> dict[str, Any]:
     ``compile_failed`` event instead of repeating it).
     """
     fields: dict[str, Any] = {"function": telemetry.function, "backend": telemetry.backend}
-    for name, read in _EVENT_FIELDS:
-        value = read(ev)
-        if value is not None:
-            fields[name] = _rounded(value)
+    read = {
+        "reason": ev.reason.value if ev.reason is not None else None,
+        "bucket": ev.bucket,
+        "error_type": ev.error_type,
+        "description": safe_message(ev.message) if ev.message else None,
+        "code_file": ev.file,
+        "code_line": ev.line,
+        "code_function": ev.function,
+        "max_abs_diff": ev.max_abs_diff,
+        "max_rel_diff": ev.max_rel_diff,
+        "duration_s": ev.duration_s,
+    }
+    fields.update((name, _rounded(value)) for name, value in read.items() if value is not None)
     for key, value in ev.details.items():
         if key == "graph_breaks" and isinstance(value, list | tuple):
             fields["graph_breaks"] = len(value)
@@ -705,13 +628,11 @@ def _log_fields(telemetry: Telemetry, ev: Event) -> dict[str, Any]:
     return fields
 
 
-#: Longest ``error_message`` log field: torch's headline, not its whole text (that is on
-#: the span's ``exception`` event).
-ERROR_HEADLINE_LIMIT = 160
+# Longest ``error_message`` log field: torch's headline; its whole text is on the span.
+_ERROR_HEADLINE_LIMIT = 160
 
 
 def _headline(text: str) -> str:
-    """torch's message as a log field: its first non-empty line, at most
-    :data:`ERROR_HEADLINE_LIMIT` characters."""
+    """torch's message as a log field: its first non-empty line, bounded."""
     first = next((line.strip() for line in text.splitlines() if line.strip()), "")
-    return safe_message(first, limit=ERROR_HEADLINE_LIMIT)
+    return safe_message(first, limit=_ERROR_HEADLINE_LIMIT)
