@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -65,14 +65,7 @@ def pow2(lo: int, hi: int) -> tuple[int, ...]:
     """
     _check_int("pow2", "lo", lo, minimum=1)
     _check_int("pow2", "hi", hi, minimum=lo)
-    first = 1 << (lo - 1).bit_length()
-    last = 1 << (hi - 1).bit_length()
-    out = []
-    size = first
-    while size <= last:
-        out.append(size)
-        size <<= 1
-    return tuple(out)
+    return tuple(1 << e for e in range((lo - 1).bit_length(), (hi - 1).bit_length() + 1))
 
 
 def steps(lo: int, hi: int, step: int) -> tuple[int, ...]:
@@ -97,25 +90,11 @@ OutputSpec = OutputDims | AxisDims | Mapping[str, OutputDims | AxisDims] | None
 
 @dataclass(frozen=True, slots=True)
 class Axis:
-    """One independent length that :class:`Buckets` pads, and its sizes.
-
-    ``name`` is ``None`` in the one-length form (``dims={"x": 1}``): its bucket labels
-    are the bare size (``"64"``); a named axis labels ``"seq=64"``.
-    """
+    """One independent length that :class:`Buckets` pads, and its sizes (``name`` is
+    ``None`` in the one-length form, ``dims={"x": 1}``)."""
 
     name: str | None
     sizes: tuple[int, ...]
-
-    def bucket_for(self, length: int) -> int | None:
-        """The smallest size that holds ``length``, or ``None`` when it is too long."""
-        for size in self.sizes:
-            if size >= length:
-                return size
-        return None
-
-    def label(self, size: int) -> str:
-        """``"64"`` for the unnamed axis, ``"seq=64"`` for a named one."""
-        return str(size) if self.name is None else f"{self.name}={size}"
 
 
 def _is_int(value: object) -> bool:
@@ -243,35 +222,29 @@ class Buckets:
 
     A dim may appear under one axis only; one axis may span several dims (a square
     ``bias`` as ``{1: "seq", 2: "seq"}``). With a single named axis, ``sizes`` may be
-    one sequence. ``pad_value`` is one number or a mapping per argument; an input
-    longer than the largest size of any axis runs eager (``oversize="eager"``) or
-    compiles its own shape (``"compile"``).
+    one sequence.
 
     ``strategy``: ``"pad"`` pads to static shapes, one graph per combination of sizes
     (what CUDA graphs need). ``"dynamic"`` pads nothing: each range between two sizes
     (per axis) gets one dynamic graph bounded by ``torch._dynamo.mark_dynamic(min=...,
-    max=...)``; lengths 0 and 1 below an axis's first size, which torch always
-    specialises, get static graphs of their own (:meth:`max_graphs`; warmup compiles
-    length 1). ``"auto"`` (default) picks ``"pad"`` where the compiled code needs
-    static shapes — ``mode="reduce-overhead"`` or ``"max-autotune"`` (CUDA graphs),
-    ``options={"triton.cudagraphs": True}``, the ``"cudagraphs"`` backend, or
-    ``dynamic=False`` — and ``"dynamic"`` otherwise (on CPU, padded pow2 buckets ran at
-    0.65x and dynamic ranges at 1.00x the speed of ``torch.compile``'s default). The resolved
-    strategy is in ``report()["bucketing"]``.
+    max=...)``; lengths 0 and 1, which torch always specialises, get static graphs of
+    their own (:meth:`max_graphs`). ``"auto"`` (default) picks ``"pad"`` where the
+    compiled code needs static shapes (CUDA graphs: ``mode="reduce-overhead"`` or
+    ``"max-autotune"``, ``options={"triton.cudagraphs": True}``, the ``"cudagraphs"``
+    backend) or ``dynamic=False``, and ``"dynamic"`` otherwise (on CPU it ran at 1.00x
+    ``torch.compile``'s default speed, padding at 0.65x). ``report()["bucketing"]``
+    says which.
 
     ``outputs`` says which output dims are cut back to the original length. ``None``
-    (default) learns it per bucket by comparing the padded output with unpadded eager's:
-    a dim is cut where padding changed it from the length to the bucket size. An int
-    or tuple cuts those dims of every tensor in the output (one axis only); with named
-    axes, ``{dim: axis}`` says which axis each cut dim follows (``{0: "batch", 1:
-    "seq"}``). A mapping names output paths (``""`` the output itself, ``"0"``,
-    ``"logits"``, ``"1.attn"``) and their dims in either form (``()``: never cut); the
-    others are not cut. A declaration is checked against what padding actually
-    changed, and un-padding checks every cut dim, so a hidden size that equals the
-    bucket, or a square attention map, is never cut silently.
+    learns it per bucket: a dim is cut where padding changed it from the length to the
+    bucket size. An int or tuple cuts those dims of every output tensor (one axis only);
+    with named axes, ``{dim: axis}`` says which axis each cut dim follows. A mapping
+    names output paths (``""`` the output itself, ``"0"``, ``"logits"``, ``"1.attn"``)
+    and their dims in either form (``()``: never cut); the others are not cut. Every cut
+    is checked against what padding changed, so a hidden size that equals the bucket,
+    or a square attention map, is never cut silently.
 
-    Every value is kept frozen and hashable (mappings become read-only copies):
-    changing the dict you passed changes nothing, and equal policies hash equal.
+    Values are kept frozen and hashable: changing the dict you passed changes nothing.
 
     :param dims: argument name to the dim (or dims, or ``{dim: axis}``) to pad.
     :param sizes: the increasing lengths (``pow2(16, 2048)``), or one sequence per axis.
@@ -436,18 +409,6 @@ class Buckets:
             return self.pad_value.get(arg, 0)
         return self.pad_value
 
-    def bucket_for(self, length: int, axis: str | None = None) -> int | None:
-        """The smallest size of ``axis`` (the only one when ``None``) that holds
-        ``length``, or ``None`` when it is too long."""
-        if axis is None:
-            if len(self.axes) > 1:
-                raise ValueError(f"name the axis: one of {_named([a.name for a in self.axes])}")
-            return self.axes[0].bucket_for(length)
-        for a in self.axes:
-            if a.name == axis:
-                return a.bucket_for(length)
-        raise ValueError(f"no axis {axis!r}: the axes are {_named([a.name for a in self.axes])}")
-
 
 WarmupInputs = Sequence[tuple[Any, ...]] | Callable[[], Sequence[tuple[Any, ...]]]
 
@@ -479,35 +440,27 @@ class Warmup:
                     "Warmup(inputs=...) must be a sequence of argument tuples or a callable "
                     f"returning one, got {type(inputs).__name__}"
                 )
-            for item in inputs:
-                if not isinstance(item, tuple):
-                    raise ConfigError(
-                        "Warmup(inputs=...) items must be tuples of positional arguments, "
-                        f"e.g. [(torch.randn(8, 16),)], got {type(item).__name__}"
-                    )
-            object.__setattr__(self, "inputs", tuple(inputs))
+            object.__setattr__(self, "inputs", _argument_tuples(inputs))
         if not isinstance(self.background, bool):
             raise ConfigError(f"Warmup(background=...) must be a bool, got {self.background!r}")
-        nice = self.nice
-        if nice is not None and (
-            isinstance(nice, bool) or not isinstance(nice, int) or not 0 <= nice <= 19
-        ):
-            raise ConfigError(
-                "Warmup(nice=...) must be an int from 0 to 19 (19: lowest priority) or None "
-                f"(leave the worker's priority alone), got {self.nice!r}"
-            )
+        if self.nice is not None:  # None: leave the worker's priority alone
+            _check_int("Warmup", "nice", self.nice, minimum=0, maximum=19)
 
     def resolve(self) -> tuple[tuple[Any, ...], ...]:
         """The example argument tuples (calling ``inputs`` if it is a callable)."""
-        items = self.inputs() if callable(self.inputs) else self.inputs
-        out = tuple(items)
-        for item in out:
-            if not isinstance(item, tuple):
-                raise ConfigError(
-                    "Warmup(inputs=...) returned an item that is not a tuple of arguments: "
-                    f"{type(item).__name__}"
-                )
-        return out
+        return _argument_tuples(self.inputs() if callable(self.inputs) else self.inputs)
+
+
+def _argument_tuples(items: Iterable[object]) -> tuple[tuple[Any, ...], ...]:
+    out = []
+    for item in items:
+        if not isinstance(item, tuple):
+            raise ConfigError(
+                "Warmup(inputs=...) items must be tuples of positional arguments, "
+                f"e.g. [(torch.randn(8, 16),)], got {type(item).__name__}"
+            )
+        out.append(item)
+    return tuple(out)
 
 
 @dataclass(frozen=True, kw_only=True)

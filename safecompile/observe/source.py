@@ -1,21 +1,14 @@
-"""Map compiler failures back to the user's own source line.
+"""Map compiler failures and graph breaks back to the user's own source line.
 
-torch reports where a failure happened in different ways depending on its kind (torch 2.13):
-
-- dynamo errors (``Unsupported``, ``UserError``, ``TorchRuntimeError``) carry ``real_stack``
-  (and ``innermost_user_frame_summary`` once dynamo has augmented the message);
-- ``BackendCompilerFailed`` (and inductor's ``InductorError``) carry neither; the failing FX
-  node, where one is known, shows up as an ``fx.Node`` local in the backend's frames and as
-  its ``stack_trace`` text in the inner exception's message (fx ``Interpreter``: "Original
-  traceback:", inductor lowering: "Found from :");
-- an error raised by compiled code at run time arrives unwrapped; its traceback runs through
-  the user's function (at its first line) and into generated code (an FX ``GraphModule``'s
-  ``<eval_with_key>.N`` forward, whose line maps to a node, or inductor's output file);
-- a graph break is known to the backend through ``gm.compile_subgraph_reason`` and, for a
-  break with nothing compiled before it, through the resume function's name in the nodes'
-  ``stack_trace`` (``torch_dynamo_resume_in_<fn>_at_<line>``).
-
-Frames in torch, safecompile and generated code are never reported as the user's.
+torch says where a failure happened differently for each kind (torch 2.13): dynamo errors
+carry ``real_stack`` / ``innermost_user_frame_summary``; ``BackendCompilerFailed`` carries
+neither, but the failing FX node shows up as a local in the backend's frames or as its
+``stack_trace`` in the inner message; an error from compiled code at run time arrives
+unwrapped, its traceback running into generated code (an FX ``<eval_with_key>.N`` forward,
+whose line maps to a node, or inductor's output file); a graph break is told by
+``gm.compile_subgraph_reason`` or, with nothing compiled before it, by a resume function's
+name (``torch_dynamo_resume_in_<fn>_at_<line>``). Frames in torch, safecompile and
+generated code are never reported as the user's.
 """
 
 from __future__ import annotations
@@ -96,14 +89,8 @@ def _norm(path: str) -> str:
 
 @functools.cache
 def _internal_dirs() -> tuple[str, ...]:
-    dirs = {
-        _norm(os.path.dirname(torch.__file__)),
-        _norm(os.path.dirname(os.path.dirname(__file__))),
-    }
-    for name in ("functorch", "torchgen", "triton"):
-        found = _package_dir(name)
-        if found is not None:
-            dirs.add(found)
+    found = (_package_dir(name) for name in ("functorch", "torchgen", "triton"))
+    dirs = {_norm(os.path.dirname(torch.__file__)), _our_dir(), *(d for d in found if d)}
     return tuple(sorted(dirs))
 
 
@@ -135,13 +122,9 @@ def is_generated_file(filename: str) -> bool:
 
 
 def is_user_file(filename: str) -> bool:
-    """Whether ``filename`` is the user's own code.
-
-    False for torch (and functorch, torchgen, triton), safecompile itself, the standard
-    library, and generated code: ``<eval_with_key>.N``, ``<string>``, ``<frozen ...>``,
-    inductor's output (``torchinductor_*`` directories, ``TORCHINDUCTOR_CACHE_DIR``).
-    Third-party packages in ``site-packages`` (model code, say) count as the user's.
-    """
+    """Whether ``filename`` is the user's own code: not torch (functorch, torchgen, triton),
+    safecompile, the standard library or generated code; ``site-packages`` counts (model
+    code, say)."""
     if is_generated_file(filename):
         return False
     path = _norm(filename)
@@ -166,9 +149,8 @@ def is_ours(filename: str) -> bool:
 
 
 def without_our_frames(exc: BaseException) -> BaseException:
-    """``exc`` (the same object) with the leading traceback entries that are
-    safecompile's own dropped, so the traceback a user reads starts in their code; kept
-    whole when every entry is ours (then the error is ours, and so is the traceback)."""
+    """``exc`` (the same object) without its leading safecompile frames, so the traceback
+    a user reads starts in their code; kept whole when every frame is ours."""
     tb = exc.__traceback__
     while tb is not None and is_ours(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
@@ -228,12 +210,8 @@ def _unwrap(fn: object) -> object:
 
 
 def location_of_function(fn: object) -> SourceLocation | None:
-    """Where ``fn`` is defined: its file, the line of its ``def``, its qualified name.
-
-    Sees through ``functools.wraps`` wrappers, ``functools.partial``, bound methods,
-    ``torch.compile`` wrappers, ``nn.Module`` (its ``forward``) and callable objects
-    (their ``__call__``). ``None`` for builtins and code not in a user file.
-    """
+    """Where ``fn`` is defined (its ``def`` line), seen through wrappers, partials,
+    methods, ``nn.Module`` and callable objects; ``None`` outside the user's files."""
     target = _unwrap(fn)
     code = getattr(target, "__code__", None)
     if not isinstance(code, types.CodeType) or not is_user_file(code.co_filename):
@@ -295,10 +273,8 @@ def safe_message(exc_or_text: BaseException | str, limit: int = MESSAGE_LIMIT) -
 def exception_chain(
     exc: BaseException, *, inner: bool = False, limit: int = _MAX_CHAIN
 ) -> Iterator[BaseException]:
-    """``exc``, then what it came from: with ``inner``, the error torch wrapped
-    (``BackendCompilerFailed.inner_exception``) first; else what caused it (``__cause__``),
-    else what it was raised while handling (``__context__``). Each exception once, at most
-    ``limit`` of them."""
+    """``exc``, then what it came from (with ``inner``, torch's ``inner_exception`` first;
+    then ``__cause__``, else ``__context__``), each once, at most ``limit``."""
     seen: set[int] = set()
     current: BaseException | None = exc
     while current is not None and id(current) not in seen and len(seen) < limit:
@@ -343,15 +319,6 @@ def _node_location(node: object) -> SourceLocation | None:
     return _from_stack_text(stack_trace) if isinstance(stack_trace, str) else None
 
 
-def _tb_entries(exc: BaseException) -> list[tuple[types.FrameType, int]]:
-    entries = []
-    tb = exc.__traceback__
-    while tb is not None:
-        entries.append((tb.tb_frame, tb.tb_lineno))
-        tb = tb.tb_next
-    return entries
-
-
 def _graph_module_node(frame: types.FrameType, lineno: int) -> SourceLocation | None:
     """The user location of the FX node a ``GraphModule.forward`` frame was running."""
     module = frame.f_locals.get("self")
@@ -365,12 +332,8 @@ def _graph_module_node(frame: types.FrameType, lineno: int) -> SourceLocation | 
     if frame.f_code not in codes or not isinstance(lineno_map, dict):
         return None
     index = lineno_map.get(lineno - frame.f_code.co_firstlineno)
-    if not isinstance(index, int):
-        return None
-    for position, node in enumerate(module.graph.nodes):
-        if position == index:
-            return _node_location(node)
-    return None
+    nodes = list(module.graph.nodes)
+    return _node_location(nodes[index]) if isinstance(index, int) and index < len(nodes) else None
 
 
 def _frame_location(frame: types.FrameType, lineno: int) -> SourceLocation:
@@ -389,7 +352,7 @@ def _backend_node_location(inner: BaseException) -> SourceLocation | None:
             return found
         # Otherwise: the innermost frame of the backend's own that holds the node it was
         # working on (dynamo's frames hold the output node and placeholders: skipped).
-        for frame, _ in reversed(_tb_entries(exc)):
+        for frame, _ in reversed(list(traceback.walk_tb(exc.__traceback__))):
             if frame.f_code.co_filename.startswith(_dynamo_dir()):
                 continue
             for name in ("n", "node"):
@@ -421,7 +384,7 @@ def _runtime_location(exc: BaseException) -> tuple[SourceLocation | None, str | 
     """The innermost user frame (or generated FX frame mapped to its node) of a traceback."""
     generated: str | None = None
     for link in _runtime_order(exc):
-        entries = _tb_entries(link)
+        entries = list(traceback.walk_tb(link.__traceback__))
         # The first entry is the frame that caught the exception (the caller): it is where
         # the call was made, not where the failure happened, unless it is the only one.
         candidates = entries[1:] if len(entries) > 1 else entries
@@ -448,12 +411,8 @@ def _runtime_location(exc: BaseException) -> tuple[SourceLocation | None, str | 
 
 
 def location_of_error(exc: BaseException, fn: object) -> tuple[SourceLocation | None, str | None]:
-    """Where in the user's source ``exc`` happened, and the generated file it came through.
-
-    Returns ``(location, generated_file)``; ``location`` falls back to ``fn``'s own
-    definition when torch gives nothing better (``None`` only if ``fn`` has no source),
-    ``generated_file`` is ``None`` unless generated code was on the failing stack.
-    """
+    """Where in the user's source ``exc`` happened (else where ``fn`` is defined), and
+    the generated file on the failing stack, if any."""
     for link in exception_chain(exc):
         real_stack = getattr(link, "real_stack", None)  # dynamo errors
         if real_stack:
@@ -499,16 +458,10 @@ def _break(reason: str, location: SourceLocation | None) -> dict[str, object]:
 def graph_breaks_of(
     gm: torch.fx.GraphModule, *, include_resumed: bool = False
 ) -> list[dict[str, object]]:
-    """The graph breaks a graph handed to a backend tells of.
-
-    Each is ``{"reason", "file", "line", "function"}``. By default only the break that
-    ended this graph (``gm.compile_subgraph_reason``, at ``user_stack[-1]``), so summing
-    over graphs counts each break once. ``include_resumed=True`` adds the break this graph
-    resumes after (dynamo's ``torch_dynamo_resume_in_<fn>_at_<line>`` in the nodes'
-    ``stack_trace``): the only trace of a break with nothing compiled before it (a
-    ``print`` on a function's first line), its reason unknown. A break seen from both
-    sides is then listed twice: merge a compile's lists with :func:`dedupe_graph_breaks`.
-    """
+    """The graph breaks ``gm`` tells of, each ``{"reason", "file", "line", "function"}``:
+    the one that ended it (so summing over graphs counts each once) and, with
+    ``include_resumed``, the one it resumes after, the only trace of a break with nothing
+    compiled before it (merge a compile's lists with :func:`dedupe_graph_breaks`)."""
     out: list[dict[str, object]] = []
     reason = getattr(gm, "compile_subgraph_reason", None)
     if reason is not None and getattr(reason, "graph_break", False):
