@@ -1,18 +1,14 @@
 """Every private torch name safecompile uses, reached here and nowhere else.
 
-torch renames, moves and drops its ``torch._*`` names between releases without notice.
-Each one safecompile relies on is looked up in this module, lazily, with the torch
-versions whose source it was checked against (``checked:`` on each accessor), so a torch
-upgrade is one file to read.
+torch renames, moves and drops its ``torch._*`` names without notice, so each one is
+looked up here, lazily, and a torch upgrade is one file to read. ``checked: 2.9.1,
+2.13.0`` on a use means the name, its signature and the behaviour relied on were read in
+those versions' source and exercised by the tests that run there.
 
-A name the installed torch lacks fails neither ``import safecompile`` nor a compile: its
-accessor returns a :class:`Missing` marker (falsy, naming the torch name and what
-degrades without it) and the caller carries on without that feature. This module logs
-nothing (it sits below :mod:`safecompile.observe`); callers hand the marker to
-:func:`safecompile.observe.log.torch_missing`, which says so once per name.
-
-Versions: ``checked: 2.9.1, 2.13.0`` means the name, its signature and the behaviour
-relied on were read in those versions' source and exercised by the tests that run there.
+A name the installed torch lacks fails neither the import nor a compile: its accessor
+returns a falsy :class:`Missing` (the name and what degrades without it), which callers
+hand to :func:`safecompile.observe.log.torch_missing` (said once per name; this module
+sits below logging).
 """
 
 from __future__ import annotations
@@ -29,10 +25,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-# torch's pytree helpers (``tree_map_only``, ``tree_flatten``, ``tree_leaves``): private, but
-# loaded by ``import torch`` itself and needed to copy and compare nested outputs, so they
-# are imported here, not looked up. checked: 2.9.1, 2.13.0 (no public ``torch.utils.pytree``
-# in either).
+# Loaded by ``import torch`` itself, so imported, not looked up. checked: 2.9.1, 2.13.0 (no
+# public ``torch.utils.pytree`` in either).
 from torch.utils import _pytree as pytree
 
 __all__ = [
@@ -90,13 +84,9 @@ _STABLE = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType
 
 
 def lookup(dotted: str) -> Any:
-    """The object ``dotted`` names (``torch._dynamo.exc.Unsupported``), or ``None``.
-
-    Imports the longest importable module prefix, then reads the rest as attributes;
-    never raises (an import that fails for any reason counts as missing). Modules,
-    classes and functions found are remembered (~0.1 µs again, not ~12 µs); values such
-    as config flags are read afresh each time.
-    """
+    """The object ``dotted`` names (``torch._dynamo.exc.Unsupported``), or ``None``;
+    never raises. Modules, classes and functions are remembered (~0.1 µs again, not
+    ~12 µs); values such as config flags are read afresh."""
     found = _FOUND.get(dotted)
     if found is not None:
         return found
@@ -125,11 +115,8 @@ def _resolve(dotted: str) -> Any:
 
 
 def compile_errors() -> tuple[type[BaseException], ...]:
-    """Exceptions raised while dynamo traces or a backend compiles (not by compiled code).
-
-    checked: 2.9.1, 2.13.0 (``torch._dynamo.exc.TorchDynamoException``,
-    ``FailOnRecompileLimitHit``). Either one missing is left out of the tuple.
-    """
+    """Errors raised while dynamo traces or a backend compiles (a missing one left out).
+    checked: 2.9.1, 2.13.0"""
     names = ("TorchDynamoException", "FailOnRecompileLimitHit")
     found = (lookup(f"torch._dynamo.exc.{name}") for name in names)
     return tuple(t for t in found if isinstance(t, type) and issubclass(t, BaseException))
@@ -137,10 +124,7 @@ def compile_errors() -> tuple[type[BaseException], ...]:
 
 def eager_backward() -> contextlib.AbstractContextManager[Any] | Missing:
     """A context in which AOTAutograd compiles the backward graph with the forward one.
-
-    checked: 2.13.0 (``torch._functorch.config.force_non_lazy_backward_lowering``; absent in
-    2.9.1). Without it the backward graph compiles lazily, at ``.backward()``.
-    """
+    checked: 2.13.0 (absent in 2.9.1)"""
     config = lookup("torch._functorch.config")
     entries = getattr(config, "_config", None)
     if config is None or entries is None or "force_non_lazy_backward_lowering" not in entries:
@@ -155,12 +139,9 @@ def eager_backward() -> contextlib.AbstractContextManager[Any] | Missing:
 
 
 def per_function_limit(limit: int) -> dict[str, Any] | Missing:
-    """``torch.compile`` keywords that give one function its own recompile limit and cache
-    entries of its own (public names, but new: they decide whether graphs compile at all).
-
-    checked: 2.13.0 (``recompile_limit=``, ``isolate_recompiles=``; both absent in 2.9.1,
-    where every ``torch.compile`` of one code object shares dynamo's global limit of 8).
-    """
+    """``torch.compile`` keywords that give one function its own recompile limit and
+    cache entries (public, but new). checked: 2.13.0 (absent in 2.9.1, where every
+    ``torch.compile`` of one code object shares dynamo's global limit of 8)"""
     params = inspect.signature(torch.compile).parameters
     if "recompile_limit" not in params or "isolate_recompiles" not in params:
         return Missing(
@@ -177,28 +158,20 @@ def compiler_wrapper(
     dynamic: bool | None,
 ) -> Callable[..., Any] | Missing:
     """The compiler ``torch.compile(backend=..., mode=..., options=...)`` builds itself.
-
-    checked: 2.9.1, 2.13.0 (``torch._TorchCompileInductorWrapper(mode, options, dynamic)``,
-    ``torch._TorchCompileWrapper(backend, mode, options, dynamic)``).
-    """
+    checked: 2.9.1, 2.13.0"""
+    args: tuple[Any, ...]
     if backend == "inductor":
-        cls = lookup("torch._TorchCompileInductorWrapper")
-        if cls is not None:
-            return cls(mode, options, dynamic)  # type: ignore[no-any-return]
+        name, args = "torch._TorchCompileInductorWrapper", (mode, options, dynamic)
     else:
-        cls = lookup("torch._TorchCompileWrapper")
-        if cls is not None:
-            return cls(backend, mode, options, dynamic)  # type: ignore[no-any-return]
-    name = "_TorchCompileInductorWrapper" if backend == "inductor" else "_TorchCompileWrapper"
-    return Missing(f"torch.{name}", "mode= and options= are not applied to the backend")
+        name, args = "torch._TorchCompileWrapper", (backend, mode, options, dynamic)
+    cls = lookup(name)
+    if cls is None:
+        return Missing(name, "mode= and options= are not applied to the backend")
+    return cls(*args)  # type: ignore[no-any-return]
 
 
 def lookup_backend(backend: str | Callable[..., Any]) -> Callable[..., Any]:
-    """A backend given by name or as a callable, as a callable.
-
-    checked: 2.9.1, 2.13.0 (``torch._dynamo.lookup_backend``). Without it a callable is
-    returned as it is and a name raises ``ValueError``.
-    """
+    """A backend given by name or as a callable, as a callable. checked: 2.9.1, 2.13.0"""
     find = lookup("torch._dynamo.lookup_backend")
     if find is not None:
         return find(backend)  # type: ignore[no-any-return]
@@ -209,9 +182,7 @@ def lookup_backend(backend: str | Callable[..., Any]) -> Callable[..., Any]:
 
 def mode_options(mode: str | None = None) -> dict[str, Any]:
     """inductor's modes (``mode=None``) or the options one mode sets; ``{}`` if unknown.
-
-    checked: 2.9.1, 2.13.0 (``torch._inductor.list_mode_options``).
-    """
+    checked: 2.9.1, 2.13.0"""
     listing = lookup("torch._inductor.list_mode_options")
     if listing is None:
         return {}
@@ -220,9 +191,7 @@ def mode_options(mode: str | None = None) -> dict[str, Any]:
 
 def inductor_options() -> frozenset[str] | Missing:
     """The option names ``torch.compile(options=...)`` accepts for inductor.
-
-    checked: 2.9.1, 2.13.0 (``torch._inductor.list_options``).
-    """
+    checked: 2.9.1, 2.13.0"""
     listing = lookup("torch._inductor.list_options")
     if listing is None:
         return Missing("torch._inductor.list_options", "inductor options are not checked early")
@@ -231,9 +200,7 @@ def inductor_options() -> frozenset[str] | Missing:
 
 def compile_lock() -> Any:
     """Dynamo's global compile lock (it guards torch's cache-artifact list), or ``None``.
-
-    checked: 2.9.1, 2.13.0 (``torch._dynamo.convert_frame.compile_lock``, an ``RLock``).
-    """
+    checked: 2.9.1, 2.13.0 (an ``RLock``)"""
     return lookup("torch._dynamo.convert_frame.compile_lock")
 
 
@@ -241,11 +208,7 @@ def compile_lock() -> Any:
 
 
 def reset_code(code: types.CodeType) -> Missing | None:
-    """Drop the graphs dynamo caches on one code object.
-
-    checked: 2.9.1, 2.13.0 (``torch._dynamo.reset_code``). Without it they stay cached
-    (torch's recompile limit bounds them).
-    """
+    """Drop the graphs dynamo caches on one code object. checked: 2.9.1, 2.13.0"""
     drop = lookup("torch._dynamo.reset_code")
     if drop is None:
         return Missing("torch._dynamo.reset_code", "reset() keeps torch's cached graphs")
@@ -254,13 +217,8 @@ def reset_code(code: types.CodeType) -> Missing | None:
 
 
 def default_store() -> Any:
-    """The c10d store ``init_process_group`` made, which every rank of the job reaches:
-    ranks agree through it, never through the user's communicator.
-
-    checked: 2.9.1, 2.13.0 (``torch.distributed.distributed_c10d._get_default_store``,
-    the same in both). Without it, a :class:`Missing`: the ranks' safe points fail and
-    every rank leaves the agreement (reason ``peer``), eager from then on.
-    """
+    """The c10d store ``init_process_group`` made, which every rank reaches: ranks agree
+    through it, never through the user's communicator. checked: 2.9.1, 2.13.0"""
     found = lookup("torch.distributed.distributed_c10d._get_default_store")
     if found is None:
         return Missing(
@@ -270,8 +228,7 @@ def default_store() -> Any:
     return found()
 
 
-#: The attributes ``torch._dynamo.mark_dynamic`` sets on a tensor.
-#: checked: 2.9.1, 2.13.0 (a name missing in a version is simply not set there).
+#: The attributes ``torch._dynamo.mark_dynamic`` sets on a tensor. checked: 2.9.1, 2.13.0
 DYNAMIC_MARKS = (
     "_dynamo_dynamic_indices",
     "_dynamo_dynamic_range",
@@ -282,10 +239,7 @@ DYNAMIC_MARKS = (
 
 
 def mark_dynamic(tensor: torch.Tensor, dim: int, low: int, high: int) -> Missing | None:
-    """Mark ``tensor``'s ``dim`` dynamic between ``low`` and ``high``.
-
-    checked: 2.9.1, 2.13.0 (``torch._dynamo.mark_dynamic(t, dim, min=, max=)``).
-    """
+    """Mark ``tensor``'s ``dim`` dynamic between ``low`` and ``high``. checked: 2.9.1, 2.13.0"""
     mark = lookup("torch._dynamo.mark_dynamic")
     if mark is None:
         return Missing("torch._dynamo.mark_dynamic", "dynamic ranges are left to torch")
@@ -295,18 +249,13 @@ def mark_dynamic(tensor: torch.Tensor, dim: int, low: int, high: int) -> Missing
 
 def compile_callbacks() -> Any:
     """dynamo's compile-callback handler (``register_start_callback``), or ``None``.
-
-    checked: 2.9.1, 2.13.0 (``torch._dynamo.callback.callback_handler``).
-    """
+    checked: 2.9.1, 2.13.0"""
     return lookup("torch._dynamo.callback.callback_handler")
 
 
 def frame_code() -> types.CodeType | None:
     """The code object dynamo is tracing on this thread, or ``None`` outside a trace.
-
-    checked: 2.9.1, 2.13.0 (``torch._dynamo.symbolic_convert.InstructionTranslator
-    .current_tx().f_code``).
-    """
+    checked: 2.9.1, 2.13.0"""
     translator = lookup("torch._dynamo.symbolic_convert.InstructionTranslator")
     try:
         code = translator.current_tx().f_code
@@ -318,17 +267,11 @@ def frame_code() -> types.CodeType | None:
 def undisabled(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` without the ``torch._dynamo.disable`` wrappers around it.
 
-    Inductor returns its artifact inside one, and dynamo wraps whatever a backend returns
-    in another ("do not trace Dynamo-compiled graph") before its code calls it. Around the
-    guard's graph wrapper that outer one already switches dynamo off, so the inner one
-    only does it a second time (~0.25 µs a call). Only a recursive disable wrapper made by
-    torch is taken off: its ``_torchdynamo_wrapper_id`` is its own id (what torch's
-    ``innermost_fn`` checks), so a user's ``functools.wraps`` copy of one is kept.
-
-    checked: 2.13.0 (``DisableContext.__call__`` sets ``_torchdynamo_disable``,
-    ``_torchdynamo_disable_recursive``, ``_torchdynamo_orig_callable`` and
-    ``_torchdynamo_wrapper_id``); 2.9.1 sets no wrapper id or recursive flag: nothing is
-    taken off there (correct, not faster).
+    Inductor returns its artifact inside one; dynamo's own outer one around the guard's
+    graph wrapper already switches dynamo off, so the inner one costs ~0.25 µs a call
+    for nothing. Only torch's own recursive wrapper is taken off (its wrapper id is its
+    own id, as ``innermost_fn`` checks): a user's ``functools.wraps`` copy stays.
+    checked: 2.13.0; 2.9.1 sets no wrapper id: nothing is taken off (correct, not faster)
     """
     while (
         getattr(fn, "_torchdynamo_disable", False) is True
@@ -343,16 +286,17 @@ def undisabled(fn: Callable[..., Any]) -> Callable[..., Any]:
 class SideEffects(NamedTuple):
     """What dynamo recorded the frame being traced updates, and the types to read it."""
 
-    code: types.CodeType  # the frame's code
+    code: types.CodeType
     modified: list[Any]  # dynamo's VariableTrackers with pending mutations
-    stored_attributes: Any  # variable -> {attribute name: new value} (a dict)
+    stored_attributes: Any  # variable -> {attribute name: new value}
     new_objects: tuple[type, ...]  # mutation types of objects the frame itself created
     modules: tuple[type, ...]  # variables standing for nn.Modules
-    local_source: type  # the source of a frame's local (``.is_input``, ``.local_name``)
-    global_source: type  # the source of a module global
+    local_source: type
+    global_source: type
 
 
 _SIDE_EFFECT_NAMES = (
+    "torch._dynamo.symbolic_convert.InstructionTranslator",
     "torch._dynamo.variables.base.AttributeMutationNew",
     "torch._dynamo.variables.base.ValueMutationNew",
     "torch._dynamo.variables.nn_module.NNModuleVariable",
@@ -368,20 +312,13 @@ NEW_GLOBAL = "NewGlobalVariable"
 
 def side_effects() -> SideEffects | Missing | None:
     """dynamo's side effects of the frame now traced; ``None`` outside a trace.
-
-    checked: 2.9.1, 2.13.0 (``InstructionTranslator.current_tx().output.side_effects``:
-    ``._get_modified_vars()``, ``.store_attr_mutations``; a variable's ``mutation_type``
-    and ``source``; a source's ``.base``, ``.name()``, ``.local_name`` and
-    ``.get_value(closure_vars, scope, cache)``; the types in ``_SIDE_EFFECT_NAMES``).
-    """
+    checked: 2.9.1, 2.13.0 (also a variable's ``mutation_type`` and ``source``; a
+    source's ``.base``, ``.name()``, ``.local_name``)"""
     found = [lookup(name) for name in _SIDE_EFFECT_NAMES]
-    translator = lookup("torch._dynamo.symbolic_convert.InstructionTranslator")
-    if translator is None or any(t is None for t in found):
-        missing = next((n for n, t in zip(_SIDE_EFFECT_NAMES, found, strict=True) if t is None), "")
-        return Missing(
-            missing or "torch._dynamo.symbolic_convert.InstructionTranslator",
-            "a call updating an object it was given is checked anyway",
-        )
+    missing = [name for name, t in zip(_SIDE_EFFECT_NAMES, found, strict=True) if t is None]
+    if missing:
+        return Missing(missing[0], "a call updating an object it was given is checked anyway")
+    translator, new_attr, new_value, module, unspecialized, local, global_ = found
     try:
         tx = translator.current_tx()
         record = tx.output.side_effects
@@ -389,7 +326,6 @@ def side_effects() -> SideEffects | Missing | None:
         stored = record.store_attr_mutations
     except Exception:
         return None
-    new_attr, new_value, module, unspecialized, local, global_ = found
     return SideEffects(
         tx.f_code, modified, stored, (new_attr, new_value), (module, unspecialized), local, global_
     )
@@ -397,11 +333,7 @@ def side_effects() -> SideEffects | Missing | None:
 
 def source_value(source: Any, closure: dict[str, Any], scope: dict[str, Any], cache: Any) -> Any:
     """The object a dynamo source names in a running frame (``scope``: ``{"L": f_locals,
-    "G": f_globals}``), or :class:`Missing` where sources cannot be read back.
-
-    checked: 2.13.0 (``torch._guards.Source.get_value(closure_vars, scope, cache)``; absent
-    in 2.9.1).
-    """
+    "G": f_globals}``). checked: 2.13.0 (absent in 2.9.1)"""
     get = getattr(source, "get_value", None)
     if get is None:
         return Missing(
@@ -412,11 +344,8 @@ def source_value(source: Any, closure: dict[str, Any], scope: dict[str, Any], ca
 
 
 def closure_vars() -> dict[str, Any]:
-    """The helpers a dynamo source's ``get_value`` may call (``___odict_getitem``...);
-    ``{}`` where this torch lacks them (a source that needs one is then not found).
-
-    checked: 2.9.1, 2.13.0 (``torch._dynamo.guards._get_closure_vars``).
-    """
+    """The helpers a dynamo source's ``get_value`` may call (``___odict_getitem``...),
+    ``{}`` where missing. checked: 2.9.1, 2.13.0"""
     get = lookup("torch._dynamo.guards._get_closure_vars")
     try:
         return dict(get()) if get is not None else {}
@@ -429,29 +358,21 @@ def closure_vars() -> dict[str, Any]:
 
 def is_op_overload(target: object) -> bool:
     """Whether an FX node's target is an ATen ``OpOverload`` (``aten.add.Tensor``).
-
-    checked: 2.9.1, 2.13.0 (``torch._ops.OpOverload``, its ``_opname``).
-    """
+    checked: 2.9.1, 2.13.0 (and its ``_opname``)"""
     cls = lookup("torch._ops.OpOverload")
     return isinstance(cls, type) and isinstance(target, cls)
 
 
 def is_tensor_property(source: object) -> bool:
-    """Whether a graph input's dynamo source is a size or stride dynamo lifted out of a
-    tensor (not an argument of the user's).
-
-    checked: 2.9.1, 2.13.0 (``torch._dynamo.source.TensorPropertySource``).
-    """
+    """Whether a graph input's dynamo source is a size or stride lifted out of a tensor.
+    checked: 2.9.1, 2.13.0"""
     cls = lookup("torch._dynamo.source.TensorPropertySource")
     return isinstance(cls, type) and isinstance(source, cls)
 
 
 def close_symbolic_trace_window() -> Missing | None:
     """Run inductor's one-time ``symbolic_trace`` of a helper module now (it patches
-    ``nn.Module.__call__`` process-wide while it runs).
-
-    checked: 2.9.1, 2.13.0 (``torch._inductor.loop_body.InterpreterShim._dummy_gm``).
-    """
+    ``nn.Module.__call__`` process-wide while it runs). checked: 2.9.1, 2.13.0"""
     shim = lookup("torch._inductor.loop_body.InterpreterShim")
     dummy = getattr(shim, "_dummy_gm", None)
     if dummy is None:
@@ -464,21 +385,16 @@ def close_symbolic_trace_window() -> Missing | None:
 
 
 def dynamo_dir() -> str:
-    """The directory of dynamo's own source files (to skip its frames in a stack).
-
-    checked: 2.9.1, 2.13.0 (``torch/_dynamo/``).
-    """
+    """The directory of dynamo's own source files. checked: 2.9.1, 2.13.0"""
     return os.path.join(os.path.dirname(torch.__file__), "_dynamo")
 
 
 # ---------------------------------------------------------------- torch's caches
 
 #: torch's flags that switch a remote cache on: (environment variable, config module, name).
-#: checked: 2.9.1, 2.13.0. Not ``bundled_autotune_remote_cache``: in torch 2.13 it fails
-#: every compile of a graph without Triton kernels (an AssertionError on the missing
-#: "backend_hash", e.g. any CPU graph), which would trip callables and persist compile
-#: failures fleet-wide. Set it yourself on GPU-only fleets
-#: (``TORCHINDUCTOR_BUNDLED_AUTOTUNE_REMOTE_CACHE=1``): the transport is shared.
+#: checked: 2.9.1, 2.13.0. Not ``bundled_autotune_remote_cache``: in 2.13 it fails every
+#: compile of a graph without Triton kernels (any CPU graph); GPU-only fleets may set
+#: ``TORCHINDUCTOR_BUNDLED_AUTOTUNE_REMOTE_CACHE=1`` themselves.
 REMOTE_CACHE_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("TORCHINDUCTOR_FX_GRAPH_REMOTE_CACHE", "torch._inductor.config", "fx_graph_remote_cache"),
     (
@@ -489,42 +405,34 @@ REMOTE_CACHE_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE", "torch._inductor.config", "autotune_remote_cache"),
 )
 
-#: What :func:`config_settings` reads for reports: (key, torch config value).
-#: checked: 2.9.1, 2.13.0.
+#: What :func:`config_settings` reads for reports. checked: 2.9.1, 2.13.0
 CACHE_SETTINGS: dict[str, str] = {
     "fx_graph_cache": "torch._inductor.config.fx_graph_cache",
     "autograd_cache": "torch._functorch.config.enable_autograd_cache",
     "force_disable_caches": "torch._inductor.config.force_disable_caches",
 }
 
-#: The logger of torch's fake tensors (its "failed while attempting to run meta" errors).
-#: checked: 2.9.1, 2.13.0 (``torch._subclasses.fake_tensor``'s module logger).
+#: The logger of torch's fake tensors ("failed while attempting to run meta").
+#: checked: 2.9.1, 2.13.0
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 
 
 def config_entry(module_name: str, attr: str) -> Any:
-    """The ``_ConfigEntry`` of ``attr`` in an already-imported torch config module
-    (``torch._inductor.config``), or ``None`` (not imported, or no such entry).
-
-    checked: 2.9.1, 2.13.0 (``module._config[attr]``, its ``.default``).
-    """
+    """The ``_ConfigEntry`` of ``attr`` in an already-imported torch config module, or
+    ``None``. checked: 2.9.1, 2.13.0 (and its ``.default``)"""
     module = sys.modules.get(module_name)
     entries = getattr(module, "_config", None)
     return entries.get(attr) if isinstance(entries, dict) else None
 
 
 def config_settings() -> dict[str, Any]:
-    """``{key: value}`` of the config values in :data:`CACHE_SETTINGS` (imports the config
-    modules); a value this torch lacks is ``None``."""
+    """``{key: value}`` of :data:`CACHE_SETTINGS` (``None`` where this torch lacks one)."""
     return {key: lookup(dotted) for key, dotted in CACHE_SETTINGS.items()}
 
 
 def drop_local_cache_path() -> None:
-    """Forget inductor's memoised local cache path, if inductor's codecache is imported.
-
-    checked: 2.9.1, 2.13.0 (``torch._inductor.codecache.CacheBase.get_local_cache_path``,
-    an ``lru_cache``).
-    """
+    """Forget inductor's memoised local cache path, if its codecache is imported.
+    checked: 2.9.1, 2.13.0 (an ``lru_cache``)"""
     codecache = sys.modules.get("torch._inductor.codecache")
     local = getattr(getattr(codecache, "CacheBase", None), "get_local_cache_path", None)
     clear = getattr(local, "cache_clear", None)
@@ -534,9 +442,7 @@ def drop_local_cache_path() -> None:
 
 def default_cache_dir() -> str | None:
     """inductor's default cache directory, if its module is imported (else ``None``).
-
-    checked: 2.9.1, 2.13.0 (``torch._inductor.runtime.cache_dir_utils.default_cache_dir``).
-    """
+    checked: 2.9.1, 2.13.0"""
     utils = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
     default = getattr(utils, "default_cache_dir", None)
     return str(default()) if callable(default) else None
@@ -544,10 +450,7 @@ def default_cache_dir() -> str | None:
 
 def remote_cache_classes() -> tuple[Any, Any] | Missing:
     """``(RedisRemoteCache, RemoteCacheBackend)`` from inductor's remote cache.
-
-    checked: 2.9.1, 2.13.0 (``torch._inductor.remote_cache``; ``RedisRemoteCache
-    .backend_override_cls``; a backend implements ``_get(key)`` and ``_put(key, data)``).
-    """
+    checked: 2.9.1, 2.13.0 (``backend_override_cls``; a backend's ``_get``, ``_put``)"""
     redis_cache = lookup("torch._inductor.remote_cache.RedisRemoteCache")
     backend = lookup("torch._inductor.remote_cache.RemoteCacheBackend")
     if redis_cache is None or backend is None:
