@@ -1,21 +1,11 @@
 """Compiles that take a while say so, so no one stares at silence.
 
-A compile (one graph handed to safecompile's backend) starts a timer; if it is still
-running :data:`SLOW_COMPILE_S` seconds after dynamo started tracing, the guarded callable
-records one ``compiling`` event (a log line ``safecompile.compiling``, an
-:class:`~safecompile.Event` in ``.events()``) naming the graph or bucket, and everyone
-watching through :func:`spinner` is told; while it goes on, a log line
-``safecompile.still_compiling`` every :data:`PLAIN_EVERY_S` seconds (a log, not an event),
-so piped output is never silent for long. The timer is cancelled when the compile ends,
-so fast compiles say nothing (a timer, rather than a start event at debug level: the
-log stays one line per state change a person cares about).
-
-:func:`spinner` is what the demo and the doctor use: on a terminal, while a slow compile
-runs, it keeps one line up to date (``compiling demo.ranker [8x32:float32] … 12 s``),
-clears it before any log line a ``logging`` handler writes to a terminal (no line merges
-with it) and when the compile ends; on anything else (a pipe, a CI log) it writes that
-line whole when the compile turns slow and every :data:`PLAIN_EVERY_S` seconds after, so
-a long compile is never silent.
+A compile (one graph handed to safecompile's backend) starts a timer; still running
+:data:`SLOW_COMPILE_S` seconds after dynamo started tracing, it is announced once (the
+guarded callable's ``compiling`` event, and every :func:`spinner`), then by a
+``safecompile.still_compiling`` log line every :data:`PLAIN_EVERY_S` seconds until it
+ends. Fast compiles say nothing: a timer, not a start event, keeps the log to one line
+per state change a person cares about.
 """
 
 from __future__ import annotations
@@ -58,42 +48,25 @@ class _Timer(Protocol):
     def cancel(self) -> None: ...
 
 
-TimerFactory = Callable[[float, Callable[[], None]], _Timer]
-
-
 def _daemon_timer(delay: float, fn: Callable[[], None]) -> _Timer:
     timer = threading.Timer(delay, fn)
     timer.daemon = True
     return timer
 
 
-class _Listener(Protocol):
-    def slow(self, compiling: Compiling) -> None: ...
-    def done(self, compiling: Compiling) -> None: ...
+_spinners_lock = threading.Lock()
+_spinners: list[_Spinner] = []  # every spinner() open now, process-wide
 
 
-class _Watchers:
-    """Who wants to hear about slow compiles (the spinners), process-wide."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.listeners: list[_Listener] = []
-
-    def _each(self, call: Callable[[_Listener], None]) -> None:
-        with self.lock:
-            listeners = list(self.listeners)
-        for listener in listeners:
-            with contextlib.suppress(Exception):  # a broken terminal never breaks a compile
-                call(listener)
-
-    def tell(self, compiling: Compiling) -> None:
-        self._each(lambda listener: listener.slow(compiling))
-
-    def finish(self, compiling: Compiling) -> None:
-        self._each(lambda listener: listener.done(compiling))
-
-
-_watchers = _Watchers()
+def _tell_spinners(compiling: Compiling, *, done: bool) -> None:
+    with _spinners_lock:
+        spinners = list(_spinners)
+    for shown in spinners:
+        with contextlib.suppress(Exception):  # a broken terminal never breaks a compile
+            if done:
+                shown.done(compiling)
+            else:
+                shown.slow(compiling)
 
 
 def watch_compile(
@@ -103,20 +76,17 @@ def watch_compile(
     on_slow: Callable[[Compiling], None],
     *,
     on_still: Callable[[Compiling], None] | None = None,
-    delay: float | None = None,
-    timer: TimerFactory | None = None,
+    timer: Callable[[float, Callable[[], None]], _Timer] | None = None,
 ) -> Callable[[], None]:
     """Start watching one compile; returns the function to call when it ends.
 
-    If the compile is still running ``delay`` (default :data:`SLOW_COMPILE_S`) seconds
-    after ``started`` (a ``time.perf_counter()`` reading), ``on_slow`` is called once, on
-    the timer's thread, and every :func:`spinner` is told; then ``on_still``, if given,
-    every :data:`PLAIN_EVERY_S` seconds until it ends. Ending the compile cancels the
-    timer, or tells the spinners it is done (a terminal's line is cleared before ``end()``
-    returns). ``timer(seconds, fn)`` makes the timers (default: daemon
-    ``threading.Timer``; tests pass ones they fire by hand).
+    Still running :data:`SLOW_COMPILE_S` seconds after ``started`` (a
+    ``time.perf_counter()`` reading), ``on_slow`` is called once, on the timer's thread,
+    and every :func:`spinner` is told; then ``on_still``, if given, every
+    :data:`PLAIN_EVERY_S` seconds until the end, which cancels the timers (a terminal's
+    line is cleared before ``end()`` returns). ``timer(seconds, fn)`` makes the timers
+    (default: daemon ``threading.Timer``; tests pass ones they fire by hand).
     """
-    wait = SLOW_COMPILE_S if delay is None else delay
     make = timer if timer is not None else _daemon_timer
     lock = threading.Lock()
     state: dict[str, Any] = {"ended": False, "compiling": None}
@@ -140,16 +110,12 @@ def watch_compile(
         with lock:
             if state["ended"]:
                 return
-            compiling = Compiling(function=function, graph=graph, started=started)
-            state["compiling"] = compiling
+            compiling = state["compiling"] = Compiling(function, graph, started)
             if on_still is not None:
                 schedule(PLAIN_EVERY_S, still)
-        _watchers.tell(compiling)
+        _tell_spinners(compiling, done=False)
         with contextlib.suppress(Exception):  # telemetry never breaks a compile
             on_slow(compiling)
-
-    with lock:
-        schedule(max(wait - (time.perf_counter() - started), 0.0), fire)
 
     def end() -> None:
         with lock:
@@ -160,8 +126,10 @@ def watch_compile(
             handle.cancel()
         if compiling is not None:
             compiling.done.set()
-            _watchers.finish(compiling)
+            _tell_spinners(compiling, done=True)
 
+    with lock:
+        schedule(max(SLOW_COMPILE_S - (time.perf_counter() - started), 0.0), fire)
     return end
 
 
@@ -175,46 +143,88 @@ def _wait(done: threading.Event, seconds: float) -> bool:
     return done.wait(seconds)
 
 
-class _TerminalLine:
-    """The one line a spinner keeps on a terminal: drawn in place, cleared whenever
-    anything else is about to be written to the terminal."""
+def _is_tty(stream: object) -> bool:
+    try:
+        return bool(stream.isatty())  # type: ignore[attr-defined]
+    except Exception:
+        return False
+
+
+class _Spinner:
+    """One :func:`spinner`: on a terminal one line drawn in place, cleared whenever anything
+    else is about to be written there; elsewhere whole lines now and then."""
 
     def __init__(self, out: TextIO) -> None:
         self.out = out
-        self.lock = threading.RLock()
-        self.width = 0
-        self.shown = False
+        self.tty = _is_tty(out)
+        self.lock = threading.RLock()  # held while writing to ``out``
+        self.width = 0  # of the line shown on the terminal (0: none)
+        self.tickers: list[tuple[threading.Thread, Compiling]] = []
+        self.closed = False  # the ``with spinner()`` block ended
 
-    def draw(self, compiling: Compiling) -> None:
+    def slow(self, compiling: Compiling) -> None:
+        self._show(compiling)
+        every = _TICK_S if self.tty else PLAIN_EVERY_S
+        ticker = threading.Thread(
+            target=self._tick, args=(compiling, every), name="safecompile-spinner", daemon=True
+        )
+        self.tickers.append((ticker, compiling))
+        ticker.start()
+
+    def done(self, compiling: Compiling) -> None:
+        self.clear()
+
+    def _show(self, compiling: Compiling) -> None:
         with self.lock:
-            if compiling.done.is_set():
+            if compiling.done.is_set() or self.closed:
                 return
             line = _text(compiling)
-            self.out.write("\r" + line.ljust(self.width))
+            if self.tty:
+                self.out.write("\r" + line.ljust(self.width))
+                self.width = max(self.width, len(line))
+            else:
+                self.out.write(line + "\n")
             self.out.flush()
-            self.width = max(self.width, len(line))
-            self.shown = True
 
     def clear(self) -> None:
         with self.lock:
-            if self.shown:
+            if self.width:
                 self.out.write("\r" + " " * self.width + "\r")
                 self.out.flush()
-            self.shown = False
             self.width = 0
+
+    def _tick(self, compiling: Compiling, every: float) -> None:
+        with contextlib.suppress(Exception):  # a closed terminal ends the ticker, not the app
+            while not _wait(compiling.done, every):
+                self._show(compiling)
+
+    @contextlib.contextmanager
+    def clearing_log_lines(self) -> Iterator[None]:
+        """Log handlers that write to a terminal clear the spinner's line first."""
+        wrapped = _terminal_handlers() if self.tty else []
+        for handler in wrapped:
+            with handler.lock or contextlib.nullcontext():
+                handler.stream = _ClearingStream(handler.stream, self)
+        try:
+            yield
+        finally:
+            for handler in wrapped:
+                with handler.lock or contextlib.nullcontext():
+                    if isinstance(handler.stream, _ClearingStream):
+                        handler.stream = handler.stream.stream
 
 
 class _ClearingStream:
     """A log handler's terminal stream that clears the spinner's line before each write."""
 
-    def __init__(self, stream: TextIO, line: _TerminalLine) -> None:
+    def __init__(self, stream: TextIO, spinner: _Spinner) -> None:
         self.stream = stream
-        self.line = line
+        self.spinner = spinner
 
     def write(self, text: str) -> int:
-        with self.line.lock:
+        with self.spinner.lock:
             with contextlib.suppress(Exception):
-                self.line.clear()
+                self.spinner.clear()
             return self.stream.write(text)
 
     def flush(self) -> None:
@@ -222,13 +232,6 @@ class _ClearingStream:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)
-
-
-def _is_tty(stream: object) -> bool:
-    try:
-        return bool(stream.isatty())  # type: ignore[attr-defined]
-    except Exception:
-        return False
 
 
 def _terminal_handlers() -> list[logging.StreamHandler[Any]]:
@@ -243,67 +246,6 @@ def _terminal_handlers() -> list[logging.StreamHandler[Any]]:
     return found
 
 
-class _Spinner:
-    """One :func:`spinner`: a terminal line redrawn in place, or whole lines now and then."""
-
-    def __init__(self, out: TextIO) -> None:
-        self.out = out
-        self.tty = _is_tty(out)
-        self.line = _TerminalLine(out)
-        self.write_lock = threading.Lock()
-        self.tickers: list[tuple[threading.Thread, Compiling]] = []
-        self.closed = threading.Event()  # the ``with spinner()`` block ended
-
-    def slow(self, compiling: Compiling) -> None:
-        self._show(compiling)
-        every = _TICK_S if self.tty else PLAIN_EVERY_S
-        ticker = threading.Thread(
-            target=self._tick, args=(compiling, every), name="safecompile-spinner", daemon=True
-        )
-        self.tickers.append((ticker, compiling))
-        ticker.start()
-
-    def done(self, compiling: Compiling) -> None:
-        if self.tty:
-            self.line.clear()
-
-    def _show(self, compiling: Compiling) -> None:
-        if self.tty:
-            with self.line.lock:
-                if not self.closed.is_set():
-                    self.line.draw(compiling)
-            return
-        with self.write_lock:
-            if not compiling.done.is_set() and not self.closed.is_set():
-                self.out.write(_text(compiling) + "\n")
-                self.out.flush()
-
-    def _tick(self, compiling: Compiling, every: float) -> None:
-        with contextlib.suppress(Exception):  # a closed terminal ends the ticker, not the app
-            while not _wait(compiling.done, every):
-                self._show(compiling)
-
-    @contextlib.contextmanager
-    def clearing_log_lines(self) -> Iterator[None]:
-        """Log handlers that write to a terminal clear the spinner's line first."""
-        if not self.tty:
-            yield
-            return
-        wrapped = []
-        for handler in _terminal_handlers():
-            with handler.lock or contextlib.nullcontext():
-                handler.stream = _ClearingStream(handler.stream, self.line)
-            wrapped.append(handler)
-        try:
-            yield
-        finally:
-            for handler in wrapped:
-                with handler.lock or contextlib.nullcontext():
-                    stream = handler.stream
-                    if isinstance(stream, _ClearingStream):
-                        handler.stream = stream.stream
-
-
 @contextlib.contextmanager
 def spinner(stream: TextIO | None = None) -> Iterator[None]:
     """While inside, a slow compile shows ``compiling <function> [<graph>] … 12 s`` on
@@ -311,17 +253,17 @@ def spinner(stream: TextIO | None = None) -> Iterator[None]:
     before each log line and when the compile ends; otherwise a whole line when the
     compile turns slow and every :data:`PLAIN_EVERY_S` seconds until it ends."""
     shown = _Spinner(sys.stderr if stream is None else stream)
-    with _watchers.lock:
-        _watchers.listeners.append(shown)
+    with _spinners_lock:
+        _spinners.append(shown)
     try:
         with shown.clearing_log_lines():
             yield
     finally:
-        with _watchers.lock:
-            _watchers.listeners.remove(shown)
-        with shown.line.lock, shown.write_lock:
-            shown.closed.set()
-        shown.line.clear()  # a line of ours is never left behind
+        with _spinners_lock:
+            _spinners.remove(shown)
+        with shown.lock:
+            shown.closed = True
+        shown.clear()  # a line of ours is never left behind
         for ticker, compiling in shown.tickers:
             if compiling.done.is_set():
                 ticker.join(timeout=1.0)
