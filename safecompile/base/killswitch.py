@@ -62,13 +62,15 @@ NOTHING = Rule()
 EVERYTHING = Rule(everything=True)
 
 
+def _text(value: str | bytes) -> str:
+    return os.fsdecode(value) if isinstance(value, bytes) else value
+
+
 def parse(value: str | bytes | None) -> Rule:
     """Parse ``SAFECOMPILE_DISABLE``: off words, all words, or comma-separated names/globs."""
     if value is None:
         return NOTHING
-    if isinstance(value, bytes):
-        value = os.fsdecode(value)
-    text = value.strip()
+    text = _text(value).strip()
     if text.lower() in _OFF:
         return NOTHING
     if text.lower() in _ALL:
@@ -96,53 +98,42 @@ def doubts(
     """
     if value is None:
         return []
-    text = (os.fsdecode(value) if isinstance(value, bytes) else value).strip()
+    text = _text(value).strip()
     if text.lower() in _OFF or text.lower() in _ALL:
         return []
     known = tuple(sorted(names))
-    shown = f"{ENV_VAR}={text!r}"
     found: list[tuple[str, str]] = []
     for pattern in (p.strip() for p in text.split(",")):
-        if not pattern or any(fnmatch.fnmatchcase(n, pattern) for n in known):
-            continue
-        if _SEPARATORS.search(pattern):
-            fixed = ",".join(p for p in _SEPARATORS.split(pattern) if p)
-            found.append(
-                (
-                    pattern,
-                    f"{shown}: {pattern!r} was read as one name; separate names with commas"
-                    f" ({fixed!r})",
-                )
-            )
-        elif "." not in pattern and not _GLOB & set(pattern):
-            found.append(
-                (
-                    pattern,
-                    f"{shown}: {pattern!r} was read as a name, but it is neither a boolean"
-                    " (1/true/yes/on/all/* turn everything off, 0/false/no/off nothing)"
-                    " nor a guarded name; it disables nothing",
-                )
-            )
-        else:
-            folded = [n for n in known if fnmatch.fnmatchcase(n.lower(), pattern.lower())]
-            if folded:
-                found.append(
-                    (
-                        pattern,
-                        f"{shown}: {pattern!r} matches no guarded name (names are"
-                        f" case-sensitive; it would match {folded[0]!r}); it disables nothing",
-                    )
-                )
-            elif unmatched:
-                some = ", ".join(repr(n) for n in known[:3]) + (", ..." if len(known) > 3 else "")
-                found.append(
-                    (
-                        pattern,
-                        f"{shown}: {pattern!r} matches none of the {len(known)} guarded names"
-                        f" in this process ({some}); it disables nothing here",
-                    )
-                )
+        if pattern and not any(fnmatch.fnmatchcase(n, pattern) for n in known):
+            sentence = _doubt(pattern, known, unmatched=unmatched)
+            if sentence is not None:
+                found.append((pattern, f"{ENV_VAR}={text!r}: {sentence}"))
     return found
+
+
+def _doubt(pattern: str, known: tuple[str, ...], *, unmatched: bool) -> str | None:
+    """What looks wrong with one pattern that matches no guarded name, if anything."""
+    if _SEPARATORS.search(pattern):
+        fixed = ",".join(p for p in _SEPARATORS.split(pattern) if p)
+        return f"{pattern!r} was read as one name; separate names with commas ({fixed!r})"
+    if "." not in pattern and not _GLOB & set(pattern):
+        return (
+            f"{pattern!r} was read as a name, but it is neither a boolean (1/true/yes/on/all/*"
+            " turn everything off, 0/false/no/off nothing) nor a guarded name; it disables nothing"
+        )
+    folded = [n for n in known if fnmatch.fnmatchcase(n.lower(), pattern.lower())]
+    if folded:
+        return (
+            f"{pattern!r} matches no guarded name (names are case-sensitive; it would match"
+            f" {folded[0]!r}); it disables nothing"
+        )
+    if unmatched:
+        some = ", ".join(repr(n) for n in known[:3]) + (", ..." if len(known) > 3 else "")
+        return (
+            f"{pattern!r} matches none of the {len(known)} guarded names in this process"
+            f" ({some}); it disables nothing here"
+        )
+    return None
 
 
 class _CodeSwitch:
@@ -177,14 +168,11 @@ def disable(names: str | Iterable[str] = "*") -> None:
     for pattern in patterns:
         if not isinstance(pattern, str) or not pattern:
             raise TypeError(f"disable() takes names or globs as strings, got {pattern!r}")
-    rule = EVERYTHING if "*" in patterns else Rule(patterns=patterns)
     with SWITCH.lock:
-        if not SWITCH.rule.everything and not rule.everything:
-            merged = tuple(dict.fromkeys(SWITCH.rule.patterns + rule.patterns))
-            rule = Rule(patterns=merged)
-        elif SWITCH.rule.everything:
-            rule = EVERYTHING
-        SWITCH.rule = rule
+        if "*" in patterns or SWITCH.rule.everything:
+            SWITCH.rule = EVERYTHING
+        else:
+            SWITCH.rule = Rule(patterns=tuple(dict.fromkeys(SWITCH.rule.patterns + patterns)))
         SWITCH.generation += 1
 
 
@@ -221,7 +209,7 @@ def unwarned_doubts(value: str | bytes | None, *, unmatched: bool = False) -> li
     with SWITCH.lock:
         names = tuple(SWITCH.names)
     found = doubts(value, names, unmatched=unmatched)
-    text = os.fsdecode(value) if isinstance(value, bytes) else str(value)
+    text = _text(value) if value is not None else "None"
     with SWITCH.lock:
         fresh = [(f"{text}\0{p}", d) for p, d in found if f"{text}\0{p}" not in SWITCH.warned]
         SWITCH.warned.update(key for key, _ in fresh)
@@ -232,9 +220,8 @@ def source_of(name: str, value: str | bytes | None) -> str | None:
     """Which switch disables ``name`` (``value`` being the environment's), in words:
     ``SAFECOMPILE_DISABLE='ranker.*'``, ``disable()`` or the watched source; ``None`` if
     none does."""
-    if parse(value).matches(name):
-        text = os.fsdecode(value) if isinstance(value, bytes) else str(value)
-        return f"{ENV_VAR}={text.strip()!r}"
+    if value is not None and parse(value).matches(name):
+        return f"{ENV_VAR}={_text(value).strip()!r}"
     with SWITCH.lock:
         if SWITCH.rule.matches(name):
             return "disable()"
