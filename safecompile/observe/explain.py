@@ -1,23 +1,12 @@
 """torch's compile failures in plain words that name the user's line.
 
-torch words its failures for its own developers: "Could not guard on data-dependent
-expression zuf0 > 0.0 (unhinted: zuf0 > 0.0)". A person reading a log wants to know which
-line of theirs did what, and what to do about it. :func:`explain` recognises the failure
-kinds that come up in practice and says so in one short sentence; the raw text stays
-available next to it (``Event.details["error_message"]``), never replaced.
-
-Recognised (torch 2.13; read off the exception's type, ``gb_type`` and message):
-
-- a branch on a tensor's value (``if x.sum() > 0:``, ``if x.max().item() > 0:``):
-  dynamo's ``Unsupported`` "Data-dependent branching", or a ``UserError`` /
-  ``GuardOnDataDependentSymNode`` "Could not guard on data-dependent expression";
-- a custom op with no fake (meta) implementation, which tracing needs;
-- a graph break under ``fullgraph=True``: any other ``Unsupported``, named by its
-  ``gb_type`` (``print``, ``torch._dynamo.graph_break()``, ``Tensor.tolist()``, ...);
-- an op the backend cannot compile (``BackendCompilerFailed`` and its inner error);
-- the recompile limit (``FailOnRecompileLimitHit``).
-
-Everything else keeps its own first line. Pure functions: nothing here touches state.
+torch words its failures for its own developers ("Could not guard on data-dependent
+expression zuf0 > 0.0"); a person wants to know which line of theirs did what, and what
+to do. :func:`explain` recognises, from the exception's type, ``gb_type`` and message
+(torch 2.13), a branch on a tensor's value, a custom op without a fake implementation, a
+graph break under ``fullgraph=True``, an op the backend cannot compile and the recompile
+limit; anything else keeps its own first line. The raw text stays beside it
+(``Event.details["error_message"]``).
 """
 
 from __future__ import annotations
@@ -91,10 +80,6 @@ def _first_line(text: str) -> str:
     return ""
 
 
-def _chain(error: BaseException) -> list[BaseException]:
-    return list(exception_chain(error, inner=True, limit=8))
-
-
 def _headline(error: BaseException) -> str:
     """The error's own first line: the inner error of a backend failure, ``gb_type`` of a
     graph break, else the first non-empty line of its message."""
@@ -110,18 +95,15 @@ def _headline(error: BaseException) -> str:
 
 
 def _make(kind: str, summary: str, text: str) -> Explanation:
-    return Explanation(
-        kind=kind,
-        summary=truncate(summary, _SUMMARY_LIMIT),
-        text=truncate(text, TEXT_LIMIT),
-    )
+    return Explanation(kind, truncate(summary, _SUMMARY_LIMIT), truncate(text, TEXT_LIMIT))
 
 
 def explain(error: BaseException, location: SourceLocation | None = None) -> Explanation:
     """``error`` in plain words, naming ``location`` (the user's line) where given."""
     where = _where(location)
-    names = {type(e).__name__ for e in _chain(error)}
-    texts = " ".join(str(e) for e in _chain(error))
+    chain = list(exception_chain(error, inner=True, limit=8))
+    names = {type(e).__name__ for e in chain}
+    texts = " ".join(str(e) for e in chain)
 
     if _DATA_DEPENDENT.search(texts):
         return _make(
@@ -147,7 +129,7 @@ def explain(error: BaseException, location: SourceLocation | None = None) -> Exp
             "use Buckets or dynamic=True",
         )
     gb_type = next(
-        (g for e in _chain(error) if isinstance(g := getattr(e, "gb_type", None), str) and g),
+        (g for e in chain if isinstance(g := getattr(e, "gb_type", None), str) and g),
         None,
     )
     if gb_type is not None:
@@ -163,10 +145,6 @@ def explain(error: BaseException, location: SourceLocation | None = None) -> Exp
         headline = _headline(error)
         backend = getattr(error, "backend_name", None)
         by = f"backend {backend!r}" if isinstance(backend, str) else "the backend"
-        return _make(
-            "backend_error",
-            headline,
-            f"{by} failed to compile{where}: {headline}",
-        )
+        return _make("backend_error", headline, f"{by} failed to compile{where}: {headline}")
     headline = _headline(error)
     return _make("error", headline, f"{headline}{where}" if where else headline)

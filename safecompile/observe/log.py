@@ -1,21 +1,16 @@
 """structlog, the way a library should use it: silent unless the application set logging up.
 
 Decided per event, never at import: when the application has configured structlog
-(``structlog.is_configured()``, also true inside ``structlog.testing.capture_logs()``) the
-event goes to ``structlog.get_logger("safecompile")`` and through the application's
-processors. Otherwise it goes to the stdlib logger ``"safecompile"`` (which has a
-``NullHandler``, so nothing reaches stdout or stderr unless the application adds a handler),
-with the event's fields as the record's ``extra`` attributes and, as the record's message,
-one line a person reads (:func:`readable_line`, at most 200 characters): the event, the
-function, its figures, what happened in plain words and where.
+(``structlog.is_configured()``, true inside ``capture_logs()`` too) the event goes through
+its processors; otherwise to the stdlib logger ``"safecompile"`` (a ``NullHandler``: silent
+unless the application adds a handler), with the fields as the record's ``extra`` and one
+line a person reads (:func:`readable_line`) as its message.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
-import weakref
 from collections.abc import Hashable, Mapping
 from typing import Any
 
@@ -29,7 +24,6 @@ __all__ = [
     "LINE_LIMIT",
     "LOGGER_NAME",
     "Once",
-    "current_trace_ids",
     "log_event",
     "readable_line",
     "report_internal_error",
@@ -56,21 +50,17 @@ _RESERVED = frozenset(
 class Once:
     """Keys seen before: the first :meth:`first` of a key is true, every later one false.
 
-    Thread-safe; the lock is held for the set operation only, never while logging.
+    Thread-safe without a lock (none to leave held across a fork): ``dict.setdefault``
+    is one atomic step for the str and tuple keys used.
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._seen: set[Hashable] = set()
-        _every_once.add(self)
+        self._seen: dict[Hashable, object] = {}
 
     def first(self, key: Hashable) -> bool:
         """Whether ``key`` is new (it is remembered from now on)."""
-        with self._lock:
-            if key in self._seen:
-                return False
-            self._seen.add(key)
-            return True
+        mine = object()
+        return self._seen.setdefault(key, mine) is mine
 
     def warn(self, key: Hashable, event: str, /, **fields: Any) -> None:
         """Log ``event`` at WARNING the first time ``key`` is seen; never raises."""
@@ -79,27 +69,15 @@ class Once:
 
     def forget(self) -> None:
         """Let every key be new again (for resets and tests)."""
-        with self._lock:
-            self._seen.clear()
+        self._seen.clear()
 
-
-_every_once: weakref.WeakSet[Once] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for once in list(_every_once):  # a lock another thread held at the fork stays held
-        once._lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 _reported = Once()  # report_internal_error's (place, exception type) pairs
 #: The torch names :func:`torch_missing` has reported.
 torch_missing_said = Once()
 
 
-def current_trace_ids(span: trace.Span | None = None) -> dict[str, str]:
+def _trace_ids(span: trace.Span | None) -> dict[str, str]:
     """``trace_id`` / ``span_id`` (hex) of ``span``, else of the current span; ``{}`` if none."""
     context = (span if span is not None else trace.get_current_span()).get_span_context()
     if not context.is_valid:
@@ -125,7 +103,7 @@ def log_event(
     """
     try:
         payload = {_safe_key(k): v for k, v in fields.items()}
-        payload.update(current_trace_ids(span))
+        payload.update(_trace_ids(span))
         if not structlog.is_configured():
             if _stdlib_logger.isEnabledFor(level):
                 payload[_safe_key("event")] = event

@@ -13,18 +13,17 @@ reported once through the ``safecompile`` stdlib logger.
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ParamSpec, TypeVar
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
 
 from opentelemetry import metrics, trace
-from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.metrics import Observation
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from safecompile._version import __version__
@@ -40,7 +39,6 @@ __all__ = ["SCHEMA_URL", "Telemetry", "configure"]
 SCHEMA_URL = "https://opentelemetry.io/schemas/1.37.0"
 _SCOPE = "safecompile"
 
-_P = ParamSpec("_P")
 _R = TypeVar("_R")
 
 _COMPILE_KINDS = frozenset({EventKind.COMPILED, EventKind.COMPILE_FAILED})
@@ -60,18 +58,12 @@ _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0
 _DRIFT_BUCKETS = (0.0, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 1e-2, 1e-1, 1.0, 10.0)
 
 
-def _never_raises(where: str) -> Callable[[Callable[_P, None]], Callable[_P, None]]:
-    def decorate(fn: Callable[_P, None]) -> Callable[_P, None]:
-        @functools.wraps(fn)
-        def wrapper(*args: _P.args, **kwargs: _P.kwargs) -> None:
-            try:
-                fn(*args, **kwargs)
-            except Exception as exc:  # telemetry never breaks a call
-                report_internal_error(where, exc)
-
-        return wrapper
-
-    return decorate
+def _guarded(where: str, fn: Callable[..., _R], *args: Any) -> _R | None:
+    try:
+        return fn(*args)
+    except Exception as exc:  # telemetry never breaks a call; one sink failing leaves the others
+        report_internal_error(where, exc)
+        return None
 
 
 # ---------------------------------------------------------------------------- configuration
@@ -104,19 +96,6 @@ def configure(
 _GLOBAL = object()  # the key of OpenTelemetry's global providers
 
 
-def _observer(
-    where: str, read: Callable[[], list[Observation]]
-) -> Callable[[CallbackOptions], Iterable[Observation]]:
-    def callback(options: CallbackOptions) -> Iterable[Observation]:
-        try:
-            return read()
-        except Exception as exc:  # a metric reader must never see ours
-            report_internal_error(where, exc)
-            return []
-
-    return callback
-
-
 class _Instruments:
     """The metric instruments on one meter; one per meter provider, shared by callables."""
 
@@ -144,13 +123,13 @@ class _Instruments:
         self.retired: dict[str, list[int]] = {}  # counts of callables gone, per function
         self.calls = meter.create_observable_counter(
             "safecompile.calls",
-            callbacks=[_observer("safecompile.calls", self._calls)],
+            callbacks=[lambda _: _guarded("safecompile.calls", self._calls) or []],
             unit="{call}",
             description="Calls of guarded callables, by the path that served them.",
         )
         self.graphs = meter.create_observable_gauge(
             "safecompile.graphs",
-            callbacks=[_observer("safecompile.graphs", self._graphs)],
+            callbacks=[lambda _: _guarded("safecompile.graphs", self._graphs) or []],
             unit="{graph}",
             description="Compiled graphs serving, by where their shadow checks stand.",
         )
@@ -365,24 +344,16 @@ class Telemetry:
 
     # ------------------------------------------------------------------ events
 
-    @_never_raises("Telemetry.event")
     def event(self, ev: Event) -> None:
         """Send one event to every sink: span and metrics where its kind has them, a log."""
         span: trace.Span | None = None
         if ev.kind in _COMPILE_KINDS:
-            span = self._guarded("safecompile.compile span", self._compile_span, ev)
-            self._guarded("safecompile.compile.duration", self._compile_metric, ev)
+            span = _guarded("safecompile.compile span", self._compile_span, ev)
+            _guarded("safecompile.compile.duration", self._compile_metric, ev)
         elif ev.kind is EventKind.ROLLBACK:
-            span = self._guarded("safecompile.rollback span", self._rollback_span, ev)
-            self._guarded("safecompile.rollbacks", self._rollback_metric, ev)
-        self._guarded("log", self._log, ev, span)
-
-    def _guarded(self, where: str, fn: Callable[..., _R], *args: Any) -> _R | None:
-        try:
-            return fn(*args)
-        except Exception as exc:  # one sink failing leaves the others
-            report_internal_error(where, exc)
-            return None
+            span = _guarded("safecompile.rollback span", self._rollback_span, ev)
+            _guarded("safecompile.rollbacks", self._rollback_metric, ev)
+        _guarded("log", self._log, ev, span)
 
     def _span(
         self, name: str, start_ns: int, end_ns: int, fill: Callable[[trace.Span], None]
@@ -487,7 +458,6 @@ class Telemetry:
 
     # ------------------------------------------------------------------ shadow checks
 
-    @_never_raises("Telemetry.shadow_check")
     def shadow_check(
         self,
         *,
@@ -503,9 +473,9 @@ class Telemetry:
         recorded in the ``safecompile.drift`` histogram, whose sum it would spoil.
         """
         result = "pass" if passed else "breach"
-        self._guarded("safecompile.shadow.checks", self._shadow_metrics, result, max_rel)
+        _guarded("safecompile.shadow.checks", self._shadow_metrics, result, max_rel)
         if log_span or not passed:
-            self._guarded(
+            _guarded(
                 "safecompile.shadow_check span",
                 self._shadow_span,
                 result,
@@ -540,7 +510,6 @@ class Telemetry:
 
     # ------------------------------------------------------------------ call counts
 
-    @_never_raises("Telemetry.observe_calls")
     def observe_calls(
         self,
         source: Callable[[], tuple[int, int]],
@@ -557,11 +526,17 @@ class Telemetry:
         the object whose life bounds the callable's; a lambda would vanish at once. A
         second call replaces the first source.
         """
+        _guarded("Telemetry.observe_calls", self._observe_calls, source, graphs)
+
+    def _observe_calls(
+        self,
+        source: Callable[[], tuple[int, int]],
+        graphs: Callable[[], Mapping[str, int]] | None,
+    ) -> None:
         self.close()
-        entry = _CallsEntry(self, source, graphs)
-        self._calls = entry
+        self._calls = _CallsEntry(self, source, graphs)
         self._instruments()  # make sure the observable counter exists on this meter
-        _calls_registry.add(entry)
+        _calls_registry.add(self._calls)
 
     def close(self) -> None:
         """Stop reporting call counts (the last counts read stay in the totals)."""
