@@ -442,21 +442,14 @@ class Verdict:
         when = data.get("time")
         if isinstance(when, bool) or not isinstance(when, int | float) or not math.isfinite(when):
             raise ValueError("time must be a finite number")
-        for name in ("name", "reason", "error_type", "message"):
-            if data.get(name) is not None and not isinstance(data[name], str):
+        texts = {name: data.get(name) for name in ("name", "reason", "error_type", "message")}
+        for name, text in texts.items():
+            if text is not None and not isinstance(text, str):
                 raise ValueError(f"{name} must be a string or null")
         details = data.get("details", {})
         if not isinstance(details, dict):
             raise ValueError("details must be an object")
-        return cls(
-            kind=data["kind"],
-            time=float(when),
-            name=data.get("name"),
-            reason=data.get("reason"),
-            error_type=data.get("error_type"),
-            message=data.get("message"),
-            details=details,
-        )
+        return cls(kind=data["kind"], time=float(when), details=details, **texts)
 
 
 _FROM_ENV: Any = object()  # VerdictStore's remote tier and key: the environment's

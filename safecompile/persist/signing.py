@@ -87,9 +87,7 @@ class Signer:
         given = doc.get(MAC_FIELD)
         if not isinstance(given, str):
             raise ValueError("not signed (no safecompile HMAC)")
-        body = {k: v for k, v in doc.items() if k != MAC_FIELD}
-        want = self.mac(purpose, name, _canonical(body)).hex()
-        if not hmac.compare_digest(given, want):
+        if not hmac.compare_digest(given, self.sign_doc(purpose, name, doc)[MAC_FIELD]):
             raise ValueError(f"HMAC does not verify under {self.source} (tampered or another key)")
 
 
