@@ -17,7 +17,6 @@ import hmac
 import json
 import os
 import stat
-import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,6 @@ MAX_KEY_BYTES = 4096
 MAGIC = b"safecompile-hmac-v1\n"  # a sealed blob: MAGIC, 32 bytes of MAC, the data
 MAC_FIELD = "hmac"  # a signed JSON document's field holding the MAC (hex)
 
-_lock = threading.Lock()
 _said = Once()  # warnings given: ("untrusted", token) and ("ignored", entry, reason)
 _from_file: dict[str, bytes | None] = {}  # key files already read: path -> key
 
@@ -104,13 +102,9 @@ def signer() -> Signer | None:
     path = os.environ.get(KEY_FILE_ENV_VAR, "").strip()
     if not path:
         return None
-    with _lock:
-        known = path in _from_file
-        secret = _from_file.get(path)
-    if not known:
-        secret = _read_key_file(Path(path))
-        with _lock:
-            _from_file[path] = secret
+    if path not in _from_file:  # no lock: two threads at once may both read it, alike
+        _from_file[path] = _read_key_file(Path(path))
+    secret = _from_file.get(path)
     return _checked(secret, f"{KEY_FILE_ENV_VAR}={path}") if secret is not None else None
 
 
@@ -168,14 +162,4 @@ def warn_ignored(path: Path | str, reason: str) -> None:
 def reset() -> None:
     """Forget warnings given and key files read (for tests)."""
     _said.forget()
-    with _lock:
-        _from_file.clear()
-
-
-def _after_fork_in_child() -> None:
-    global _lock  # a lock another thread held at the fork stays held for good
-    _lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    _from_file.clear()
