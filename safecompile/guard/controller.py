@@ -199,7 +199,7 @@ class Controller:
             "dynamic": opts.dynamic,
             "fullgraph": opts.fullgraph,
             "rollout": float(opts.rollout),
-            "retry_at": e.trips.breaker.retry_at,
+            "retry_at": e.trips.retry_at,
             "stats": self.stats().to_dict(),
             "graphs": [g.to_dict() for g in e.table],
             "speed": e.speed.to_dict() if e.speed is not None else None,

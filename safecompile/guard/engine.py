@@ -221,10 +221,8 @@ class Engine:
         return TripHooks(
             record=self.record,
             counted=self._counted,
-            update_gate=self.update_gate,
-            restart_canary=self.table.restart_canary,
             restart_speed=self.restart_speed,
-            last_reason=self._last_reason,
+            recovered=self._recovered,
             location=self.location,
         )
 
@@ -359,7 +357,7 @@ class Engine:
         with self.lock:
             self.tally.rollbacks += 1
             self.update_gate()
-        wait = self.trips.breaker.wait
+        wait = self.trips.wait
         if wait is not None:
             event.details["retry_in_s"] = wait
         with self.lock:
@@ -373,9 +371,12 @@ class Engine:
             self.slots.remark()
             self.update_gate()
 
-    def _last_reason(self) -> Reason | None:
-        last = self.tally.last_rollback
-        return last.reason if last is not None else None
+    def _recovered(self) -> None:
+        """The compiled path serves again: every graph's canary restarts, and the speed
+        verdict."""
+        self.table.restart_canary()
+        self.restart_speed()
+        self.update_gate()
 
     def _rollback_event(
         self,

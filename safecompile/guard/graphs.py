@@ -13,6 +13,7 @@ dynamic graph costs nothing.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import itertools
 import re
@@ -266,7 +267,7 @@ class GuardBackend:
         try:
             if hooks.announce is not None:  # a slow compile says so (see _progress)
                 ended = hooks.announce(describe_inputs(gm), started)
-            frame = _frame_code()
+            frame = torchcompat.frame_code()  # the function, or a resume function
             if frame is not None:
                 self._codes.add(frame)
             code = _code_name(frame)
@@ -307,7 +308,8 @@ class GuardBackend:
             record.breaks = graph_breaks_of(gm, include_resumed=True)
             record.mutates = mutates_in_place(gm)
             record.effects = effects
-            record.frame = _frame_key()
+            if frame is not None:  # as its running frame will show it
+                record.frame = (frame.co_name, frame.co_filename, frame.co_firstlineno)
             self._made[twin] = (record, inner)
             hooks.on_graph(record, gm)
         finally:
@@ -375,7 +377,11 @@ def _instrument(
 
 # ---------------------------------------------------------------- compile timing
 
-_TRACE = threading.local()
+class _Trace(threading.local):
+    started: float | None = None  # when dynamo started tracing on this thread
+
+
+_TRACE = _Trace()
 
 
 def _on_trace_start(_args: object) -> None:
@@ -384,7 +390,7 @@ def _on_trace_start(_args: object) -> None:
 
 def trace_started() -> float | None:
     """When dynamo started tracing the frame now being compiled on this thread (once)."""
-    started: float | None = getattr(_TRACE, "started", None)
+    started = _TRACE.started
     _TRACE.started = None
     return started
 
@@ -475,12 +481,6 @@ def _source_name(source: Any) -> str:
 _FRAME_DEPTH = 32  # how far up from a graph's wrapper its frame may be
 
 
-def _frame_key() -> tuple[str, str, int] | None:
-    """The code object dynamo is compiling, as its running frame will show it."""
-    code = torchcompat.frame_code()
-    return None if code is None else (code.co_name, code.co_filename, code.co_firstlineno)
-
-
 def find_effects(
     record: GraphRecord,
 ) -> tuple[list[tuple[str, object, tuple[str, ...] | None]], str | None]:
@@ -519,20 +519,10 @@ def find_effects(
     return found, None
 
 
-_CLOSURE_NAMES: dict[str, Any] | None = None
-
-
+@functools.cache
 def _closure_names() -> dict[str, Any]:
     """The helpers dynamo's source names may call (``___odict_getitem``...)."""
-    global _CLOSURE_NAMES
-    if _CLOSURE_NAMES is None:
-        _CLOSURE_NAMES = torchcompat.closure_vars()
-    return _CLOSURE_NAMES
-
-
-def _frame_code() -> types.CodeType | None:
-    """The code object dynamo is compiling (the function, or a resume function)."""
-    return torchcompat.frame_code()
+    return torchcompat.closure_vars()
 
 
 def _code_name(code: types.CodeType | None) -> str:

@@ -1,29 +1,22 @@
 """Trips: the breaker, this rank's side of the agreement, and the one way back.
 
-Everything that sends a guarded callable to eager and brings it back goes through one
-:class:`Trips`:
-
-- :meth:`Trips.trip` applies a verdict (the breaker trips, the event is counted) or,
-  with a process group, holds it for the next safe point;
-- :meth:`Trips.claim_trial` / :meth:`Trips.end_trial`: the half-open trial after
-  ``retry_after`` (without a process group);
-- :meth:`Trips.safe_point`: this rank's side of the agreement with its peers
-  (:class:`.peers.Peers` carries the verdicts); an agreed recovery;
-- :meth:`Trips._retrying` and :meth:`Trips._recovered`: the one recovery routine both
-  use. A trial first restarts the speed verdict, so the call that tries the compiled
-  path runs it and is measured afresh (a verdict that had found eager faster would
-  otherwise keep serving the trial eagerly, and the trial would never end); once the
-  compiled path serves again, the canary and the speed verdict both start afresh.
-
-With a process group, a drift or a compile error trips this rank at once (it serves
-eager from that call on: a drifting path is never served knowingly, and a failed
-compile has nothing to run); its peers follow at the next safe point. Other verdicts
-are held, and every rank switches together there.
+- :meth:`Trips.trip` opens the breaker (every call runs eager) or, with a process group,
+  holds the verdict for the next safe point; a drift or a compile error applies at once
+  there too (a drifting path is never served knowingly, a failed compile has nothing to
+  run), and the peers follow at the next safe point;
+- after ``retry_after``, one call on one thread is the half-open trial
+  (:meth:`Trips.claim_trial`, :meth:`Trips.end_trial`); failing, it opens the breaker
+  again with a longer wait (:meth:`Rollback.next_wait`);
+- :meth:`Trips.safe_point`: this rank's side of the agreement (:class:`.peers.Peers`);
+- :meth:`Trips._retrying` and :meth:`Trips._recovered`: the one recovery routine trials
+  and agreed recoveries share. A trial first restarts the speed verdict, so it times the
+  path it tries; once compiled serves again, the canary and the speed verdict restart.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -33,7 +26,6 @@ from safecompile.base.model import Event, EventKind, Reason
 from safecompile.base.policies import Rollback
 from safecompile.observe.source import SourceLocation, location_fields
 
-from .breaker import Breaker
 from .peers import Local, Outcome, Peers
 
 __all__ = ["TripHooks", "Trips"]
@@ -47,11 +39,9 @@ class TripHooks:
     """What the trips need from the callable they guard."""
 
     record: Callable[[Event], None]  # keep and publish an event
-    counted: Callable[[Event], None]  # the breaker just tripped: count the rollback
-    update_gate: Callable[[], None]  # the hot path's flag may change
-    restart_canary: Callable[[], None]  # every compiled graph is watched again
+    counted: Callable[[Event], None]  # the breaker just opened: count the rollback
     restart_speed: Callable[[], None]  # the speed verdict starts afresh
-    last_reason: Callable[[], Reason | None]  # the reason of the trip in force
+    recovered: Callable[[], None]  # compiled serves again: canary and speed restart
     location: SourceLocation | None  # the user's function, for peer events
 
 
@@ -65,46 +55,63 @@ class Trips:
         hooks: TripHooks,
         ranks: Peers | None = None,
     ) -> None:
-        self.breaker = Breaker(policy, clock)
         self.ranks = ranks
+        self._policy = policy
         self._clock = clock
         self._hooks = hooks
+        self._lock = threading.Lock()
+        self.tripped = False
+        self.retry_at: float | None = None  # when the next trial may start
+        self.wait: float | None = None  # the wait before it
+        self._reason: Reason | None = None  # of the trip in force
+        self._trial: int | None = None  # the thread running the trial
+        self._trial_failed = False
+        self._recovered_at: float | None = None
         self._retry_said = False  # the retry event of this trip is out (said once)
 
-    @property
-    def tripped(self) -> bool:
-        return self.breaker.tripped
-
-    # ------------------------------------------------------------------ trips
-
     def trip(self, reason: Reason, event: Callable[[], Event]) -> None:
-        """A verdict against the compiled path; ``event`` makes its event (if needed).
-
-        Without a process group (or once the agreement has ended) it applies now. With
-        one, a drift or a compile error applies now too and the peers follow at the next
-        safe point; any other verdict is held until then.
-        """
+        """A verdict against the compiled path; ``event`` makes its event (if needed)."""
         ranks = self.ranks
         if ranks is not None and reason not in _AT_ONCE and ranks.holds():
-            if not self.breaker.tripped:
+            if not self.tripped:
                 ranks.hold(event())
             return
-        if self.breaker.trip():
-            self._retry_said = False
-        elif reason is not Reason.MANUAL:
-            return
-        self._hooks.counted(event())
+        if self._open() or reason is Reason.MANUAL:
+            self._reason = reason
+            self._hooks.counted(event())
 
     def apply(self, event: Event) -> None:
         """Trip now with this event (nothing is recorded when already tripped)."""
-        if self.breaker.trip():
-            self._retry_said = False
+        if self._open():
+            self._reason = event.reason
             self._hooks.counted(event)
+
+    def _open(self) -> bool:
+        """Open the breaker; ``False`` if it was open already (nothing new to say)."""
+        with self._lock:
+            trial = self._trial is not None
+            if self.tripped and not trial:
+                return False
+            now = self._clock()
+            failing = trial or (
+                self._recovered_at is not None
+                and self.wait is not None
+                and now - self._recovered_at < 2 * self.wait
+            )
+            self.tripped = True
+            self._trial_failed = trial
+            self.wait = self._policy.next_wait(self.wait, failing=failing)
+            self.retry_at = now + self.wait if self.wait is not None else None
+            self._retry_said = False
+            return True
 
     def reset(self) -> None:
         """Forget every trip (``reset()``); the agreement itself goes on."""
-        self.breaker.reset()
-        self._retry_said = False
+        with self._lock:
+            self.tripped = False
+            self.retry_at = self.wait = self._reason = None
+            self._trial = self._recovered_at = None
+            self._retry_said = False
         if self.ranks is not None:
             self.ranks.take_held()
 
@@ -113,20 +120,41 @@ class Trips:
     def claim_trial(self) -> bool:
         """Whether this call is the half-open trial (tripped, the wait over, no other
         trial running). With a process group, trials are agreed at safe points instead."""
-        if self.ranks is not None or not self.breaker.claim_trial():
+        if self.ranks is not None or not self._claim():
             return False
         self._retrying("trying the compiled path again", {})
         return True
+
+    def _claim(self) -> bool:
+        with self._lock:
+            if (
+                not self.tripped
+                or self._trial is not None
+                or self.retry_at is None
+                or self._clock() < self.retry_at
+            ):
+                return False
+            self._trial = threading.get_ident()
+            self._trial_failed = False
+            return True
 
     def end_trial(self, *, served: bool) -> None:
         """The trial call ended. Served by compiled and not tripped again: the compiled
         path serves again. Served eagerly (its shape or bucket runs eager): nothing was
         learnt, the next call tries again."""
-        if not served:
-            self.breaker.end_trial_unserved()
-            return
-        if self.breaker.end_trial():
+        if self._close(served=served):
             self._recovered("compiled path serves again", {})
+
+    def _close(self, *, served: bool) -> bool:
+        """The trial is over; whether it closed the breaker."""
+        with self._lock:
+            self._trial = None
+            if not served or self._trial_failed:
+                return False
+            self.tripped = False
+            self.retry_at = None
+            self._recovered_at = self._clock()
+            return True
 
     def _retrying(self, message: str, details: dict[str, Any]) -> None:
         """A trial starts: it measures the compiled path it tries. Said once per trip: a
@@ -140,10 +168,7 @@ class Trips:
         )
 
     def _recovered(self, message: str, details: dict[str, Any]) -> None:
-        """The compiled path serves again: its checks and its speed start afresh."""
-        self._hooks.restart_canary()
-        self._hooks.restart_speed()
-        self._hooks.update_gate()
+        self._hooks.recovered()
         self._hooks.record(
             Event(kind=EventKind.RECOVERED, time=time.time(), message=message, details=details)
         )
@@ -164,15 +189,14 @@ class Trips:
 
     def _local(self, held: Event | None) -> Local:
         """This rank's side of a safe point."""
-        breaker = self.breaker
         if held is not None:
             return Local(tripped=True, reason=held.reason, ready=False)
-        if not breaker.tripped:
+        if not self.tripped:
             return Local(tripped=False, reason=None, ready=False)
-        retry_at = breaker.retry_at
+        retry_at = self.retry_at
         return Local(
             tripped=True,
-            reason=self._hooks.last_reason() or Reason.MANUAL,
+            reason=self._reason or Reason.MANUAL,
             ready=retry_at is not None and self._clock() >= retry_at,
         )
 
@@ -207,11 +231,11 @@ class Trips:
 
     def _agreed_recovery(self, call: int) -> None:
         """Every rank is tripped and its wait is over: all try the compiled path again."""
-        if not self.breaker.claim_trial():
+        if not self._claim():
             return
         details = {"call": call}
         self._retrying(f"every rank tries the compiled path again at call {call}", details)
-        if self.breaker.end_trial():
+        if self._close(served=True):
             self._recovered("compiled path serves again on every rank", details)
 
     def _peer_event(self, message: str) -> Event:
