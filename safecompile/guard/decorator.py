@@ -4,6 +4,7 @@ modules guarded in place, and the guarded callable it returns."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -256,6 +257,13 @@ def _peers(name: str, opts: Options, fleet: Fleet) -> Peers | None:
 
 
 def _start_warmup(controller: Controller, warmup: Warmup | None) -> None:
+    """Warm up now, or on a worker thread while eager serves (``Warmup(background=)``).
+
+    The worker lowers its own priority to ``warmup.nice`` first, so live calls keep the
+    CPU. inductor traces one helper module with ``torch.fx.symbolic_trace`` the first time
+    it lowers a graph, which patches ``nn.Module.__call__`` process-wide while it runs:
+    that one-time trace is done here, before any live call can overlap it.
+    """
     if warmup is None:
         return
     grad = torch.is_grad_enabled()
@@ -265,31 +273,21 @@ def _start_warmup(controller: Controller, warmup: Warmup | None) -> None:
             for example in warmup.resolve():
                 controller.warmup(*example)
 
-    if warmup.background:
-        _start_background(controller._engine, run, nice=warmup.nice)
-    else:
+    if not warmup.background:
         run()
-
-
-def _start_background(e: Engine, run: Callable[[], None], *, nice: int | None = 19) -> None:
-    """Run a warmup on a worker thread while eager serves (see ``Warmup(background=)``).
-
-    The worker lowers its own priority to ``nice`` first (``None`` or 0: unchanged), so
-    live calls keep the CPU; only that thread, and the processes it starts, are affected.
-
-    inductor traces one helper module with ``torch.fx.symbolic_trace`` the first time it
-    lowers a graph, which patches ``nn.Module.__call__`` for the whole process while it
-    runs: an eager call on another thread in that window can fail. That one-time trace
-    is done here, before any live call can overlap it.
-    """
+        return
+    e = controller._engine
     if e.opts.backend_label == "inductor":
-        _close_symbolic_trace_window()
+        with contextlib.suppress(Exception):  # another torch: nothing to close
+            closed = torchcompat.close_symbolic_trace_window()
+            if closed is not None:
+                torch_missing(closed)
     e.background_warmup(pending=True)
 
     def work() -> None:
         try:
-            if nice:
-                lower_priority(nice)
+            if warmup.nice:
+                _lower_priority(warmup.nice)
             run()
         except Exception as exc:
             e.note_warmup_error(exc)
@@ -308,38 +306,17 @@ _WORKERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 
 @atexit.register
 def _join_workers(timeout: float = EXIT_WAIT_S) -> None:
-    """At exit, give running warmup threads up to ``timeout`` seconds to end.
-
-    A daemon thread still inside torch when the interpreter finalises is ended by an
-    unwind that torch's C++ frames turn into ``std::terminate`` (the process aborts with
-    "terminate called without an active exception"), even one that has just finished
-    its work. A warmup still compiling past the bound is left to that fate.
-    """
+    """At exit, give running warmup threads up to ``timeout`` seconds to end: torch's C++
+    frames turn the unwind of a daemon thread still inside torch at finalisation into
+    ``std::terminate`` (the process aborts)."""
     deadline = time.monotonic() + timeout
     for worker in list(_WORKERS):
         worker.join(max(0.0, deadline - time.monotonic()))
 
 
-def lower_priority(nice: int) -> bool:
-    """Raise the calling thread's niceness to ``nice`` (Linux: per thread); ``False``
-    where the platform cannot. An unprivileged thread cannot lower it back, so callers
-    run it on a thread of their own."""
-    setpriority = getattr(os, "setpriority", None)
-    native_id = getattr(threading, "get_native_id", None)
-    if setpriority is None or native_id is None:  # pragma: no cover - not POSIX
-        return False
-    try:
-        current = os.getpriority(os.PRIO_PROCESS, native_id())
-        setpriority(os.PRIO_PROCESS, native_id(), max(current, nice))
-    except OSError:  # pragma: no cover - a sandbox that forbids it
-        return False
-    return True
-
-
-def _close_symbolic_trace_window() -> None:
-    try:
-        closed = torchcompat.close_symbolic_trace_window()
-    except Exception:  # pragma: no cover - another torch: nothing to close
-        return
-    if closed is not None:
-        torch_missing(closed)
+def _lower_priority(nice: int) -> None:
+    """Raise this thread's niceness to ``nice`` (Linux: per thread; it cannot be lowered
+    back unprivileged, so only a thread of its own calls this)."""
+    with contextlib.suppress(AttributeError, OSError):  # not POSIX, or a sandbox forbids it
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, max(os.getpriority(os.PRIO_PROCESS, me), nice))

@@ -71,16 +71,12 @@ class Gate:
 
     __slots__ = ("compiled", "disabled", "fast", "generation", "token")
 
-    def __init__(self) -> None:
+    def __init__(self, compiled: Callable[..., Any]) -> None:
         self.token: object = object()  # the kill switch's environment value last read
         self.generation = -1  # and its code switch's generation
         self.disabled = False
         self.fast = False  # compiled may serve without the slow path
-        self.compiled: Callable[..., Any] = _unset
-
-
-def _unset(*args: Any, **kwargs: Any) -> Any:  # pragma: no cover - replaced at once
-    raise RuntimeError("safecompile: the compiled function is not built yet")
+        self.compiled = compiled
 
 
 _precompile_said = Once()
@@ -100,30 +96,6 @@ def _warn_if_precompile(name: str) -> None:
                 "bypass safecompile's backend (no shadow checks, no rollback); unset it"
             ),
         )
-
-
-class _CompileOnFirstUse:
-    """``gate.compiled`` until first taken: builds the compiled function once (whichever
-    thread comes first), puts it in the gate, and runs it."""
-
-    __slots__ = ("_build", "_built", "_gate", "_lock")
-
-    def __init__(self, gate: Gate, build: Callable[[], Callable[..., Any]]) -> None:
-        self._gate = gate
-        self._build = build
-        self._built: Callable[..., Any] | None = None
-        self._lock = threading.Lock()
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        built = self._built
-        if built is None:
-            with self._lock:
-                built = self._built
-                if built is None:
-                    built = self._built = self._build()
-                    if self._gate.compiled is self:  # reset() may have replaced us
-                        self._gate.compiled = built
-        return built(*args, **kwargs)
 
 
 @dataclass
@@ -163,7 +135,10 @@ class Engine:
         # CUDA graphs: outputs live in a pool the next replay overwrites (paths.discarded)
         self.cudagraphs = uses_cudagraphs(opts.backend_label, opts.mode, opts.options)
         self.lock = threading.RLock()
-        self.gate = Gate()
+        # torch.compile runs on the first call that takes the compiled path, never
+        # while the kill switch is on (API.md §3), not at decoration.
+        self.gate = Gate(self._first_use)
+        self._compile_lock = threading.Lock()
         self.slots: Slots[GraphRecord] = Slots()
         self.table = GraphTable(opts.shadow)
         self.trips = Trips(opts.rollback, self.clock, self._trip_hooks(), peers)
@@ -186,23 +161,8 @@ class Engine:
         self.warmups = 0  # blocking warmups in progress
         self._rollout_acc = 0.0
         self.start_afresh()
-        hooks = GraphHooks(
-            table=self.table,
-            local=self.slots.local,
-            limit=opts.rollback.recompile_limit,
-            on_compile_start=self.compiles.enter,
-            on_compile_end=self.compiles.leave,
-            on_graph=self._on_graph,
-            snapshot=self._snapshot,
-            bucket_label=self.slots.bucket,
-            clock=self.clock,
-            announce=self._announce_compile,
-        )
         # One backend for the life of the callable (torch keeps every one it is given).
-        self.backend = GuardBackend(compiler, hooks, opts.backend_label)
-        # torch.compile runs on the first call that takes the compiled path, never
-        # while the kill switch is on (API.md §3), not at decoration.
-        self.gate.compiled = _CompileOnFirstUse(self.gate, self._compile)
+        self.backend = GuardBackend(compiler, self._graph_hooks(), opts.backend_label)
         ks.register(name)
         self.refresh_switch()
         sink.observe_calls(self._call_counts, self.table.checks)
@@ -225,6 +185,27 @@ class Engine:
             recovered=self._recovered,
             location=self.location,
         )
+
+    def _graph_hooks(self) -> GraphHooks:
+        return GraphHooks(
+            table=self.table,
+            local=self.slots.local,
+            limit=self.opts.rollback.recompile_limit,
+            on_compile_start=self.compiles.enter,
+            on_compile_end=self.compiles.leave,
+            on_graph=self._on_graph,
+            snapshot=self._snapshot,
+            bucket_label=self.slots.bucket,
+            clock=self.clock,
+            announce=self._announce_compile,
+        )
+
+    def _first_use(self, *args: Any, **kwargs: Any) -> Any:
+        """``gate.compiled`` until first taken: compiles once, whichever thread is first."""
+        with self._compile_lock:
+            if self.gate.compiled == self._first_use:
+                self.gate.compiled = self._compile()
+        return self.gate.compiled(*args, **kwargs)
 
     def _compile(self) -> Callable[..., Any]:
         """``torch.compile`` of the callable, through our backend."""

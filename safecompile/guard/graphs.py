@@ -377,6 +377,7 @@ def _instrument(
 
 # ---------------------------------------------------------------- compile timing
 
+
 class _Trace(threading.local):
     started: float | None = None  # when dynamo started tracing on this thread
 

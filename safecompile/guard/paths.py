@@ -136,7 +136,7 @@ def _entrypoint(e: Engine) -> Callable[..., Any]:
     env_get, env_key = _env_reader()
     switch = ks.SWITCH
     refresh = e.refresh_switch
-    ticked = _ticker(e)
+    tick = e.speed_tick
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
         try:  # an error escaping is eager's: raised from the user's line, not ours
@@ -157,8 +157,9 @@ def _entrypoint(e: Engine) -> Callable[..., Any]:
                     first = slot.first
                     if slot.due is None and first is not None:  # a limited graph sets due
                         slot.compiled = n = slot.compiled + 1
-                        # the speed verdict counts calls in batches: told at the slot's mark
-                        return out if n < slot.mark else ticked(slot, out)
+                        if n >= slot.mark:  # the speed verdict is told calls in batches
+                            tick(slot)
+                        return out
                     return finish(e, Call(args, kwargs, slot), out)
                 # outside except: eager's error unchained
                 return recover(e, Call(args, kwargs, slot), failure)
@@ -174,7 +175,7 @@ def _entrypoint(e: Engine) -> Callable[..., Any]:
     return guarded
 
 
-def _bucketed_entrypoint(e: Engine) -> Callable[..., Any]:
+def _bucketed_entrypoint(e: Engine) -> Callable[..., Any]:  # noqa: PLR0915 - one frame
     """The hot path with buckets: plan, pad, call, cut back (see :func:`entrypoint`)."""
     assert e.buckets is not None
     gate = e.gate
@@ -184,7 +185,7 @@ def _bucketed_entrypoint(e: Engine) -> Callable[..., Any]:
     env_get, env_key = _env_reader()
     switch = ks.SWITCH
     refresh = e.refresh_switch
-    ticked = _ticker(e)
+    tick = e.speed_tick
     bucketer, entries, pads = e.buckets.bucketer, e.buckets.entries, e.buckets.pads
     plan_of, pad, unpad = bucketer.plan, bucketer.pad, bucketer.unpad
     ready = BucketStatus.READY
@@ -222,11 +223,11 @@ def _bucketed_entrypoint(e: Engine) -> Callable[..., Any]:
                             first = slot.first
                             if slot.due is None and first is not None:  # a limited graph sets due
                                 slot.compiled = n = slot.compiled + 1
-                                # the speed verdict counts calls in batches: told at the slot's mark
-                                return out if n < slot.mark else ticked(slot, out)
+                                if n >= slot.mark:  # the speed verdict is told in batches
+                                    tick(slot)
+                                return out
                             return finish(e, Call(args, kwargs, slot, plan=plan, entry=entry), out)
-                        call = Call(args, kwargs, slot, plan=plan, entry=entry)
-                        return recover(e, call, failure)
+                        return recover(e, Call(args, kwargs, slot, plan=plan, entry=entry), failure)
             elif gate.disabled:  # the kill switch: eager, in this frame
                 try:
                     return fn(*args, **kwargs)
@@ -237,17 +238,6 @@ def _bucketed_entrypoint(e: Engine) -> Callable[..., Any]:
             raise without_our_frames(exc)  # noqa: B904 - the user's error, kept unchained
 
     return guarded
-
-
-def _ticker(e: Engine) -> Callable[[CallSlot, Any], Any]:
-    """The hot path's call at a slot's mark: tell the speed verdict, return ``out``."""
-    tick = e.speed_tick
-
-    def ticked(slot: CallSlot, out: Any) -> Any:
-        tick(slot)
-        return out
-
-    return ticked
 
 
 def _env_reader() -> tuple[Callable[[object], object], object]:
