@@ -106,7 +106,7 @@ class _Hold:
         self.release = threading.Event()
         self.running = threading.Event()
 
-    def _run_job(self, job: Any) -> None:
+    def block(self) -> None:
         self.running.set()
         self.release.wait(30)
 
@@ -120,7 +120,7 @@ def test_async_checks_compare_the_output_of_their_own_call() -> None:
     guarded(torch.zeros(4))  # compile
     drain_shadow_checks()
     hold = _Hold()
-    shadow_module._WORKER.submit(shadow_module._Job(hold, None, ((), {}), None, None, False))  # type: ignore[arg-type]
+    shadow_module._WORKER.submit(hold.block)
     assert hold.running.wait(10)
     outs = [guarded(torch.full((4,), float(i))) for i in range(3)]  # queued behind the hold
     assert all(o is outs[0] for o in outs)  # one pool tensor, rewritten by every call

@@ -1,27 +1,19 @@
 """Compare a compiled output with eager's reference, whatever its structure.
 
-The verdict on a floating-point tensor is magnitude-aware, never elementwise-relative
-(which is meaningless near zero). With ``d = actual - expected`` over the elements that
-are finite on both sides, a tensor passes when
-
-1. its normalised error ``‖d‖ / ‖expected‖`` is within ``rtol`` (``atol`` adds a floor,
-   for tensors whose values are all close to zero): rounding noise, however it falls
-   on individual elements, stays small against the tensor's own norm;
-2. its scale error, the least-squares factor ``<d, expected> / ‖expected‖²``, is within
-   ``SCALE_SHARE · rtol`` (plus what noise alone can show on a small tensor): rounding
-   is uncorrelated with the values, so a systematic drift such as ``out * 1.01``
-   stands out here long before the norm notices it;
-3. its peak error ``max|d|`` is within ``PEAK_FACTOR · rtol · max|expected| + atol``:
-   a few badly wrong elements, which a norm would average away, still trip.
-
-:func:`verdict` has the exact formulas; ``docs/tolerances.md`` the measurements behind
-the per-dtype defaults. Messages name paths, shapes, dtypes, devices, counts and figures
-of difference, never a value from the user's tensors or objects.
+A floating-point tensor is judged against its own magnitude, never elementwise-relative
+(meaningless near zero): its normalised error, its scale error (a systematic drift such
+as ``out * 1.01``) and its peak error (a few badly wrong elements, which a norm averages
+away) must each stay within a multiple of ``rtol``. :func:`verdict` has the formulas,
+``docs/tolerances.md`` the measurements behind the per-dtype defaults. Messages name
+paths, shapes, dtypes, devices, counts and figures of difference, never a value from
+the user's tensors or objects.
 """
 
 from __future__ import annotations
 
+import cmath
 import dataclasses
+import itertools
 import math
 import numbers
 from collections.abc import Mapping, Sequence
@@ -49,13 +41,11 @@ PEAK_FACTOR = 4.0
 """The peak error may reach this multiple of ``rtol`` (see :func:`verdict`)."""
 
 _MAX_SHOWN_KEYS = 5
+_PLAIN = (str, bytes, numbers.Number)  # compared as Python scalars
 
-# (rtol, atol): rtol bounds the normalised error ‖d‖/‖expected‖ (the scale and peak
-# checks are multiples of it); atol is a floor on the RMS difference that only matters
-# for tensors whose values are all close to zero: small, so that a 1% drift still shows
-# on outputs of RMS down to ~1e-4 (float32: ~1e-6). Low-precision figures are about four
-# unit roundoffs (bf16 2^-8, fp16 and tf32 2^-11, fp8 e4m3 2^-4, e5m2 2^-3);
-# docs/tolerances.md has the measurements behind them.
+# (rtol, atol): atol is a floor on the RMS difference, small so that a 1% drift still shows
+# on outputs of RMS down to ~1e-4 (float32: ~1e-6); low-precision rtols are about four unit
+# roundoffs (bf16 2^-8, fp16 and tf32 2^-11, fp8 e4m3 2^-4, e5m2 2^-3): docs/tolerances.md.
 _DEFAULTS: dict[torch.dtype, tuple[float, float]] = {
     torch.float64: (1e-7, 1e-12),
     torch.float32: (1e-4, 1e-8),
@@ -72,8 +62,11 @@ _COMPLEX_PARTS = {
     torch.complex64: torch.float32,
     torch.complex32: torch.float16,
 }
-# Dtypes whose arithmetic torch supports directly (others are upcast before any math).
-_NATIVE = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16})
+_NON_FINITE = (
+    "NaN where eager is not NaN",
+    "not NaN where eager is NaN",
+    "infinities differ from eager's",
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +74,9 @@ class Comparison:
     """The verdict of :func:`compare`.
 
     ``max_abs`` is the largest absolute difference over the finite compared elements
-    (0.0 if none); ``max_rel`` the largest normalised error over the leaves (the figure
-    the verdict used, ``inf`` for a NaN/Inf or structure breach); ``reason`` is ``None``
-    when ``ok``, else why, naming the path; ``leaves`` counts the tensors compared.
+    (0.0 if none); ``max_rel`` the largest normalised error over the leaves (``inf`` for a
+    NaN/Inf or structure breach); ``reason`` says why when not ``ok``, naming the path;
+    ``leaves`` counts the tensors compared.
     """
 
     ok: bool
@@ -137,17 +130,13 @@ def compare(
     with torch.no_grad():
         try:
             walk.visit(actual, expected, "out")
-        except RecursionError:
-            walk.breach("out", "structure too deep to compare")
-            walk.pending = []
         except Exception as exc:  # a user object that fails when read: conservative
-            walk.breach("out", f"comparison failed ({type(exc).__name__})")
+            too_deep = isinstance(exc, RecursionError)
+            why = f"comparison failed ({type(exc).__name__})"
+            walk.breach("out", "structure too deep to compare" if too_deep else why)
             walk.pending = []
         walk.measure()
     return walk.result()
-
-
-# --------------------------------------------------------------------------- internals
 
 
 @dataclass(slots=True)
@@ -168,8 +157,7 @@ class _Walk:
     """Walks two output structures side by side and collects breaches and figures."""
 
     def __init__(self, rtol: float | None, atol: float | None) -> None:
-        self.rtol = rtol
-        self.atol = atol
+        self.rtol, self.atol = rtol, atol
         self.breaches: list[tuple[int, str]] = []
         self.pending: list[_Leaf] = []
         self.order = 0
@@ -177,21 +165,20 @@ class _Walk:
         self.max_abs = 0.0
         self.max_rel = 0.0
 
-    # -- verdict bookkeeping
-
     def breach(
         self, path: str, why: str, *, order: int | None = None, numeric: bool = False
     ) -> None:
-        """Record a breach; all but ``numeric`` ones (a figure over tolerance) make
-        ``max_rel`` infinite."""
+        """Record a breach; all but a figure over tolerance (``numeric``) make max_rel inf."""
         self.breaches.append((self.order if order is None else order, f"{path}: {why}"))
         if not numeric:
             self.max_rel = math.inf
 
+    def cannot(self, path: str, exc: Exception, order: int | None = None) -> None:
+        self.breach(path, f"cannot compare this tensor ({type(exc).__name__})", order=order)
+
     def figures(self, max_abs: float, rel: float) -> None:
         self.max_abs = max(self.max_abs, max_abs)
-        if rel > self.max_rel or math.isnan(rel):
-            self.max_rel = rel if not math.isnan(rel) else math.inf
+        self.max_rel = max(self.max_rel, math.inf if math.isnan(rel) else rel)
 
     def result(self) -> Comparison:
         if not self.breaches:
@@ -203,8 +190,6 @@ class _Walk:
             reason += f" (and {more} more breach{'es' if more > 1 else ''})"
         return Comparison(False, self.max_abs, self.max_rel, reason, self.leaves)
 
-    # -- structure
-
     def visit(self, actual: object, expected: object, path: str) -> None:
         self.order += 1
         if actual is None or expected is None:
@@ -214,7 +199,7 @@ class _Walk:
         if isinstance(actual, torch.Tensor) or isinstance(expected, torch.Tensor):
             self.tensor(actual, expected, path)
             return
-        if _is_plain(actual) or _is_plain(expected):
+        if isinstance(actual, _PLAIN) or isinstance(expected, _PLAIN):
             self.plain(actual, expected, path)
             return
         if type(actual) is not type(expected):
@@ -227,10 +212,6 @@ class _Walk:
         if isinstance(expected, Mapping):
             assert isinstance(actual, Mapping)
             self.mapping(actual, expected, path)
-        elif isinstance(expected, tuple) and hasattr(type(expected), "_fields"):
-            assert isinstance(actual, tuple)
-            fields: tuple[object, ...] = type(expected)._fields  # type: ignore[attr-defined]
-            self.sequence(actual, expected, path, fields)
         elif isinstance(expected, Sequence):
             assert isinstance(actual, Sequence)
             self.sequence(actual, expected, path)
@@ -240,17 +221,12 @@ class _Walk:
         else:
             self.other(actual, expected, path)
 
-    def sequence(
-        self,
-        actual: Sequence[Any],
-        expected: Sequence[Any],
-        path: str,
-        fields: tuple[object, ...] = (),
-    ) -> None:
-        """Length first, then items; ``fields`` names the items of a named tuple."""
+    def sequence(self, actual: Sequence[Any], expected: Sequence[Any], path: str) -> None:
+        """Length first, then items (a named tuple's by their field names)."""
         if len(actual) != len(expected):
             self.breach(path, f"length {len(actual)} != {len(expected)}")
             return
+        fields = getattr(type(expected), "_fields", ()) if isinstance(expected, tuple) else ()
         for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
             name = fields[i] if i < len(fields) else None
             self.visit(a, e, f"{path}.{name}" if isinstance(name, str) else f"{path}[{i}]")
@@ -290,8 +266,7 @@ class _Walk:
             return
         assert isinstance(actual, numbers.Complex)
         a, e = complex(actual), complex(expected)
-        a_nan = math.isnan(a.real) or math.isnan(a.imag)
-        e_nan = math.isnan(e.real) or math.isnan(e.imag)
+        a_nan, e_nan = cmath.isnan(a), cmath.isnan(e)
         if a_nan or e_nan:
             if a_nan != e_nan:
                 why = "NaN where eager is not NaN" if a_nan else "not NaN where eager is NaN"
@@ -307,19 +282,12 @@ class _Walk:
         self.figures(diff, rel)
         if diff > atol + rtol * ref:
             allowed = rtol + atol / ref if ref else atol
-            self.breach(
-                path,
-                f"relative error {_fig(rel)} > tolerance {_fig(allowed)} ({_tname(expected)})",
-                numeric=True,
-            )
+            why = f"relative error {_fig(rel)} > tolerance {_fig(allowed)} ({_tname(expected)})"
+            self.breach(path, why, numeric=True)
 
     def other(self, actual: object, expected: object, path: str) -> None:
-        """Objects of the same type that are not a known container.
-
-        With an ``__eq__`` of their own, ``==`` decides. Without one (identity
-        equality), two objects compare by their attributes, so that a cache object in
-        a model's output (a Hugging Face ``DynamicCache``, say) compares by its tensors.
-        """
+        """Same-type objects of no known container type: ``==`` decides, or, for identity
+        equality, their attributes (a Hugging Face ``DynamicCache`` compares by its tensors)."""
         if actual is expected:
             return
         if type(expected).__eq__ is object.__eq__:
@@ -338,8 +306,6 @@ class _Walk:
             self.breach(path, f"cannot compare {_tname(expected)} (== is not a bool)")
         elif not equal:
             self.breach(path, f"{_tname(expected)} values differ")
-
-    # -- tensors
 
     def tolerances(self, dtype: torch.dtype, *, tf32: bool = False) -> tuple[float, float]:
         rtol, atol = default_tolerances(dtype, tf32=tf32)
@@ -362,14 +328,13 @@ class _Walk:
         try:
             a, e = _dense(actual), _dense(expected)
         except Exception as exc:
-            self.breach(path, f"cannot compare this tensor ({type(exc).__name__})")
+            self.cannot(path, exc)
             return
         self.pending.append(self.leaf(path, a, e))
 
     def leaf(self, path: str, a: torch.Tensor, e: torch.Tensor) -> _Leaf:
-        """The pending comparison of two dense tensors of the same dtype and shape: exact
-        for integers and bools; complex as real pairs; with the dtype's tolerances (those
-        of the precision float32 matmuls run in now)."""
+        """Two dense tensors of one dtype and shape to compare: integers and bools exactly,
+        complex as real pairs, floats with the tolerances of the precision they run in."""
         dtype = e.dtype  # after dequantizing
         if not (dtype.is_floating_point or dtype.is_complex):
             return _Leaf(self.order, path, a, e, True, _dname(dtype), 0.0, 0.0)
@@ -385,31 +350,19 @@ class _Walk:
 
     def measure(self) -> None:
         """Compute every pending leaf's figures, reading them back once per device."""
-        if not self.pending:
-            return
         figures: list[torch.Tensor | None] = []
         for leaf in self.pending:
             try:
                 figures.append(_exact_figures(leaf) if leaf.exact else _fast_figures(leaf))
             except Exception as exc:
                 figures.append(None)
-                self.breach(
-                    leaf.path,
-                    f"cannot compare this tensor ({type(exc).__name__})",
-                    order=leaf.order,
-                )
-        values = _read_back(figures)
-        for leaf, got in zip(self.pending, values, strict=True):
-            if got is None:
-                continue
+                self.cannot(leaf.path, exc, leaf.order)
+        for leaf, got in zip(self.pending, _read_back(figures), strict=True):
             try:
-                self.judge(leaf, got)
+                if got is not None:
+                    self.judge(leaf, got)
             except Exception as exc:
-                self.breach(
-                    leaf.path,
-                    f"cannot compare this tensor ({type(exc).__name__})",
-                    order=leaf.order,
-                )
+                self.cannot(leaf.path, exc, leaf.order)
         self.pending = []
 
     def judge(self, leaf: _Leaf, got: list[float]) -> None:
@@ -420,36 +373,21 @@ class _Walk:
                 self.breach(path, f"{wrong} of {n} elements differ ({leaf.label})", order=order)
             return
         d_norm, e_norm, a_norm, d_lo, d_hi, e_lo, e_hi = got
-        d_max, e_max = max(-d_lo, d_hi), max(-e_lo, e_hi)
-        scale = 1.0
-        suspicious = not all(math.isfinite(x) for x in got) or (
-            (d_norm == 0 and d_max > 0) or (e_norm == 0 and e_max > 0)
-        )
-        if suspicious:  # NaN/Inf somewhere, or squares that overflowed or underflowed
-            slow = _slow_figures(leaf)
-            nan_new, nan_lost, inf_bad, n, d_norm, e_norm, a_norm, d_max, e_max, scale = slow
-            if nan_new or nan_lost or inf_bad:
-                if nan_new:
-                    self.breach(
-                        path, f"NaN where eager is not NaN ({_count(nan_new, leaf)})", order=order
-                    )
-                if nan_lost:
-                    self.breach(
-                        path, f"not NaN where eager is NaN ({_count(nan_lost, leaf)})", order=order
-                    )
-                if inf_bad:
-                    self.breach(
-                        path,
-                        f"infinities differ from eager's ({_count(inf_bad, leaf)})",
-                        order=order,
-                    )
-                self.figures(d_max, math.inf)
+        figures = TensorFigures(d_norm, e_norm, a_norm, max(-d_lo, d_hi), max(-e_lo, e_hi), n)
+        if not all(math.isfinite(x) for x in got) or (
+            (d_norm == 0 and figures.d_max > 0) or (e_norm == 0 and figures.e_max > 0)
+        ):  # NaN/Inf somewhere, or squares that overflowed or underflowed
+            counts, figures = _slow_figures(leaf)
+            for count, what in zip(counts, _NON_FINITE, strict=True):
+                if count:
+                    self.breach(path, f"{what} ({count} of {n} elements)", order=order)
+            if any(counts):
+                self.figures(figures.d_max, math.inf)
                 return
-            if n == 0:  # nothing finite: NaNs and infinities all matched
+            if figures.n == 0:  # nothing finite: NaNs and infinities all matched
                 return
-        figures = TensorFigures(d_norm, e_norm, a_norm, d_max, e_max, n, scale)
         rel, why = verdict(figures, leaf.rtol, leaf.atol, leaf.label)
-        self.figures(d_max, rel)
+        self.figures(figures.d_max, rel)
         if why is not None:
             self.breach(path, why, order=order, numeric=True)
 
@@ -552,12 +490,8 @@ def verdict(
 
 
 def _fast_figures(leaf: _Leaf) -> torch.Tensor:
-    """[‖d‖, ‖e‖, ‖a‖, min d, max d, min e, max e] with d = a - e, in the working precision.
-
-    Float32 and float64 take one temporary (``d``); lower precisions are upcast once
-    each (two temporaries, ``d`` made in place). Extremes come from ``aminmax``, several
-    times faster on CPU than an infinity norm. Nothing is read back here.
-    """
+    """[‖d‖, ‖e‖, ‖a‖, min d, max d, min e, max e] with d = a - e, in the working precision,
+    not read back. ``aminmax`` is several times faster on CPU than an infinity norm."""
     a, e = leaf.actual, leaf.expected
     work = torch.float64 if e.dtype == torch.float64 else torch.float32
     norm = torch.linalg.vector_norm
@@ -582,35 +516,24 @@ def _exact_figures(leaf: _Leaf) -> torch.Tensor:
 def _read_back(figures: list[torch.Tensor | None]) -> list[list[float] | None]:
     """Move every leaf's figures to the host: one transfer (one sync) per device."""
     out: list[list[float] | None] = [None] * len(figures)
-    by_device: dict[torch.device, list[int]] = {}
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for i, fig in enumerate(figures):
-        if fig is None:
-            continue
-        if fig.device.type == "cpu":  # no sync to save: skip the gathering
+        if fig is not None and fig.device.type == "cpu":  # no sync to save: no gathering
             out[i] = fig.tolist()
-        else:
-            by_device.setdefault(fig.device, []).append(i)
-    for device, indices in by_device.items():
+        elif fig is not None:
+            by_device.setdefault(fig.device, []).append((i, fig))
+    for device, items in by_device.items():
         wide = torch.float32 if device.type == "mps" else torch.float64
-        parts = [figures[i] for i in indices]
-        flat = torch.cat([p.to(wide) for p in parts if p is not None]).tolist()
-        at = 0
-        for i, part in zip(indices, parts, strict=True):
-            assert part is not None
-            out[i] = flat[at : at + part.numel()]
-            at += part.numel()
+        flat = iter(torch.cat([fig.to(wide) for _, fig in items]).tolist())
+        for i, fig in items:
+            out[i] = list(itertools.islice(flat, fig.numel()))
     return out
 
 
-def _slow_figures(
-    leaf: _Leaf,
-) -> tuple[int, int, int, int, float, float, float, float, float, float]:
-    """The careful path, taken only when the fast figures were not all finite.
-
-    Returns the counts of new NaNs, lost NaNs and mismatched infinities, the number of
-    elements finite on both sides, and over those: ‖d‖/s, ‖e‖/s, ‖a‖/s, max|d|, max|e|
-    and s (a scale that keeps the squares in range).
-    """
+def _slow_figures(leaf: _Leaf) -> tuple[list[int], TensorFigures]:
+    """The careful path, for fast figures that were not all finite: the counts of new NaNs,
+    lost NaNs and mismatched infinities, and the figures over the elements finite on both
+    sides (norms divided by a scale that keeps their squares in range)."""
     work = torch.float64 if leaf.expected.dtype == torch.float64 else torch.float32
     a, e = leaf.actual.to(work), leaf.expected.to(work)
     a_nan, e_nan = torch.isnan(a), torch.isnan(e)
@@ -621,7 +544,7 @@ def _slow_figures(
     d = a - e
     d_max, e_max, a_max = (_abs_max(t) for t in (d, e, a))
     scale = torch.maximum(torch.maximum(d_max, e_max), a_max).clamp_min(torch.finfo(work).tiny)
-    figures = torch.stack(
+    got = torch.stack(
         [
             (a_nan & ~e_nan).sum().to(work),
             (e_nan & ~a_nan).sum().to(work),
@@ -635,9 +558,8 @@ def _slow_figures(
             scale,
         ]
     ).tolist()
-    nan_new, nan_lost, inf_bad_n, n = (int(x) for x in figures[:4])
-    d_norm, e_norm, a_norm, dm, em, s = figures[4:]
-    return nan_new, nan_lost, inf_bad_n, n, d_norm, e_norm, a_norm, dm, em, s
+    d_norm, e_norm, a_norm, dm, em, s = got[4:]
+    return [int(x) for x in got[:3]], TensorFigures(d_norm, e_norm, a_norm, dm, em, int(got[3]), s)
 
 
 def _abs_max(t: torch.Tensor) -> torch.Tensor:
@@ -688,13 +610,8 @@ def _tensor_mismatch(actual: torch.Tensor, expected: torch.Tensor) -> str | None
         return f"layout {actual.layout} != {expected.layout}"
     if actual.is_nested or expected.is_nested:
         return "nested tensors are not compared"
-    return (
-        f"shape {_shape(actual)} != {_shape(expected)}" if actual.shape != expected.shape else None
-    )
-
-
-def _is_plain(value: object) -> bool:
-    return isinstance(value, str | bytes | numbers.Number)
+    shape, want = tuple(actual.shape), tuple(expected.shape)
+    return f"shape {shape} != {want}" if shape != want else None
 
 
 def _ttype(t: torch.Tensor) -> type:
@@ -712,14 +629,6 @@ def _tname(value: object) -> str:
 
 def _dname(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _shape(t: torch.Tensor) -> str:
-    return str(tuple(t.shape))
-
-
-def _count(k: int, leaf: _Leaf) -> str:
-    return f"{k} of {leaf.expected.numel()} elements"
 
 
 def _fig(x: float) -> str:

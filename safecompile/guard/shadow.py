@@ -1,24 +1,22 @@
 """Shadow checks: compare a compiled call with eager, per graph, state-safe.
 
 A check is due when a graph that served the call says so (its canary, then one run in
-``every``: :class:`~._graphs.GraphTable`). It runs *after* the compiled call:
+``every``: :class:`~.graphs.GraphTable`), and runs *after* the compiled call. ``sync``:
+eager runs on the caller's own arguments and grad mode, so on a breach the caller gets
+eager's result with its gradients; state the compiled run updated is swapped back first
+(:mod:`safecompile.checks.snapshot`), and the two updates are compared like outputs.
+``async``: copies of the inputs and output go to one worker thread on a bounded budget;
+graphs that update state are not checked (the worker cannot isolate the live module).
 
-- ``sync``: eager runs on the caller's own arguments, under the caller's grad mode, so
-  on a breach eager's result — with the caller's gradients — is what the caller gets.
-  State the compiled run updated is swapped back first (:mod:`safecompile.checks.snapshot`), so
-  eager applies its update once, and the two updates are compared like outputs.
-- ``async``: copies of the inputs and output go to one worker thread on a bounded
-  budget; the caller never waits. Graphs that update state are not checked async (the
-  worker cannot isolate the live module); an event says so once.
-
-Checked calls also time both paths, for the A/B latency figures in ``stats()``. Those
-pairs run eager right after the compiled call, on the same inputs (warm caches, copies
-in async mode): they do not read like live traffic, so they never decide anything. The
-speed verdict times live calls instead (:mod:`safecompile.checks.speed`).
+Checked calls also time both paths, for the A/B latency figures in ``stats()`` only:
+eager runs right after the compiled call, on warm caches, unlike live traffic. The speed
+verdict times live calls instead (:mod:`safecompile.checks.speed`).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import queue
 import threading
 import time
@@ -37,7 +35,7 @@ from safecompile.checks.timing import LatencyWindow
 from .graphs import GraphRecord, GraphTable
 
 if TYPE_CHECKING:
-    from safecompile.checks.snapshot import Snapshot
+    from safecompile.checks.snapshot import After, Snapshot
 
 __all__ = ["Figures", "Outcome", "ShadowRunner", "Sink", "drain"]
 
@@ -93,6 +91,8 @@ class _Counters:
     max_rel: float = 0.0
     pending: int = 0
     said: set[tuple[int, str]] = field(default_factory=set)
+    compiled_lat: LatencyWindow = field(default_factory=LatencyWindow)
+    eager_lat: LatencyWindow = field(default_factory=LatencyWindow)
 
 
 class ShadowRunner:
@@ -116,10 +116,6 @@ class ShadowRunner:
         self._clock = clock
         self._lock = threading.Lock()
         self._c = _Counters()
-        self._compiled_lat = LatencyWindow()
-        self._eager_lat = LatencyWindow()
-
-    # -- a check ----------------------------------------------------------------------
 
     def check(
         self,
@@ -159,15 +155,13 @@ class ShadowRunner:
                 if result.ok:
                     result = self._compare_state(after)
         except Exception as exc:  # a comparison that cannot be made: eager's answer stands
-            self._skip(graph, f"the outputs could not be compared ({type(exc).__name__})")
+            self.skip_graph(graph, f"the outputs could not be compared ({type(exc).__name__})")
             return Outcome(eager_out=eager_out, graph=graph, use_eager=True)
-        self._note(graph, result, compiled_s, eager_s, canary)
-        if result.ok:
-            if after is not None:
-                after.keep_compiled()  # the state the compiled outputs came with
-            return Outcome(max_abs=result.max_abs, max_rel=result.max_rel, graph=graph)
+        self.note(graph, None, result, compiled_s, eager_s, canary)
+        if result.ok and after is not None:
+            after.keep_compiled()  # the state the compiled outputs came with
         return Outcome(
-            breach=result.reason or "outputs differ",
+            breach=None if result.ok else result.reason or "outputs differ",
             eager_out=eager_out,
             max_abs=result.max_abs,
             max_rel=result.max_rel,
@@ -177,51 +171,34 @@ class ShadowRunner:
     def _checkable(
         self, table: GraphTable, due: list[GraphRecord], snapshot: Snapshot, *, changed: bool
     ) -> bool:
-        """Whether this check can be made faithfully (if not, an event says why once)."""
+        """Whether this check can be made faithfully; if not, an event says why once, and
+        the state is copied from the next check on, or the graphs are never checked."""
+        assert self.policy is not None
         if snapshot.problem is not None:
             why = f"it updates a Python object that cannot be copied ({snapshot.problem})"
-            self._never(table, due, why)
-            return False
-        return not changed or self._can_restore(table, due, snapshot)
-
-    def _can_restore(self, table: GraphTable, due: list[GraphRecord], snapshot: Snapshot) -> bool:
-        """The call changed state: can a check put it back and rerun eager? If not, say
-        why once, and either copy the state from the next check on, or never check."""
-        assert self.policy is not None
-        graph = due[0]
-        why = snapshot.unrestorable()
-        if why is not None and "parameter" not in why:
-            for g in due:
-                g.mutates = True
-            self._skip(graph, f"{why}; from its next check on, the state is restored")
-            return False
-        if why is None and self.policy.mode == "sync":
+        elif not changed:
             return True
-        why = why or "it updates state, which an async check cannot isolate"
-        self._never(table, due, why)
-        return False
-
-    def _never(self, table: GraphTable, due: list[GraphRecord], why: str) -> None:
-        """The due graphs can never be checked faithfully: say why, once."""
-        assert self.policy is not None
+        else:
+            unrestorable = snapshot.unrestorable()
+            if unrestorable is not None and "parameter" not in unrestorable:
+                for g in due:
+                    g.mutates = True
+                self.skip_graph(
+                    due[0], f"{unrestorable}; from its next check on, the state is restored"
+                )
+                return False
+            if unrestorable is None and self.policy.mode == "sync":
+                return True
+            why = unrestorable or "it updates state, which an async check cannot isolate"
         for g in due:
             table.never_check(g, why)
         hint = "" if self.policy.mode == "sync" else " (Shadow(mode='sync') can check it)"
-        self._skip(due[0], f"{why}; this graph is not checked{hint}")
-
-    def note(self, graph: GraphRecord | None, bucket: str | None, result: Comparison) -> None:
-        """Count a comparison the controller made itself (a bucket's padding check)."""
-        self._note(graph, result, None, None, True, bucket=bucket)
+        self.skip_graph(due[0], f"{why}; this graph is not checked{hint}")
+        return False
 
     def tolerances(self) -> tuple[float | None, float | None]:
         policy = self.policy
         return (policy.rtol, policy.atol) if policy is not None else (None, None)
-
-    def skip_graph(self, graph: GraphRecord, why: str) -> None:
-        """Say once per graph why it is not checked."""
-        self._skip(graph, why)
-
-    # -- figures ----------------------------------------------------------------------
 
     def figures(self) -> Figures:
         with self._lock:
@@ -234,42 +211,32 @@ class ShadowRunner:
                 max_abs=c.max_abs,
                 max_rel=c.max_rel,
                 latency={
-                    "compiled": self._compiled_lat.percentiles(),
-                    "eager": self._eager_lat.percentiles(),
-                    "pairs": min(self._compiled_lat.count(), self._eager_lat.count()),
+                    "compiled": c.compiled_lat.percentiles(),
+                    "eager": c.eager_lat.percentiles(),
+                    "pairs": min(c.compiled_lat.count(), c.eager_lat.count()),
                 },
             )
 
     def reset(self) -> None:
         with self._lock:
             self._c = _Counters()
-            self._compiled_lat = LatencyWindow()
-            self._eager_lat = LatencyWindow()
-
-    # -- internals ----------------------------------------------------------------------
 
     def _compare(self, out: Any, eager_out: Any) -> Comparison:
         rtol, atol = self.tolerances()
         return compare(out, eager_out, rtol=rtol, atol=atol)
 
-    def _compare_state(self, after: Any) -> Comparison:
-        rtol, atol = self.tolerances()
-        result = compare(after.compiled_tensors(), after.eager_tensors(), rtol=rtol, atol=atol)
+    def _compare_state(self, after: After) -> Comparison:
+        result = self._compare(after.compiled_tensors(), after.eager_tensors())
         if not result.ok:
-            return Comparison(
-                ok=False,
-                max_abs=result.max_abs,
-                max_rel=result.max_rel,
-                reason=f"the state update differs (buffers or inputs): {result.reason}",
-                leaves=result.leaves,
-            )
+            why = f"the state update differs (buffers or inputs): {result.reason}"
+            return dataclasses.replace(result, reason=why)
         differ = after.attrs_differ()
         if differ is not None:
-            return Comparison(ok=False, max_abs=0.0, max_rel=float("inf"), reason=differ)
+            return Comparison(ok=False, max_abs=0.0, max_rel=math.inf, reason=differ)
         compiled, eager = after.object_states()
         if not compiled:
             return result
-        objects = compare(compiled, eager, rtol=rtol, atol=atol)
+        objects = self._compare(compiled, eager)
         return Comparison(
             ok=objects.ok,
             max_abs=max(result.max_abs, objects.max_abs),
@@ -280,25 +247,26 @@ class ShadowRunner:
             leaves=result.leaves + objects.leaves,
         )
 
-    def _note(
+    def note(
         self,
         graph: GraphRecord | None,
+        bucket: str | None,
         result: Comparison,
-        compiled_s: float | None,
-        eager_s: float | None,
-        canary: bool,
-        *,
-        bucket: str | None = None,
+        compiled_s: float | None = None,
+        eager_s: float | None = None,
+        canary: bool = True,
     ) -> None:
+        """Count a comparison: a check's, or one the controller made (a bucket's padding)."""
         with self._lock:
             c = self._c
             c.checks += 1
             if not result.ok:
                 c.breaches += 1
-            if result.max_abs == result.max_abs:  # not NaN
-                c.max_abs = max(c.max_abs, result.max_abs)
-            if result.max_rel == result.max_rel:
-                c.max_rel = max(c.max_rel, result.max_rel)
+            c.max_abs = max(c.max_abs, result.max_abs)  # a NaN never replaces the first
+            c.max_rel = max(c.max_rel, result.max_rel)
+            if compiled_s is not None and eager_s is not None and result.ok:
+                c.compiled_lat.record(compiled_s)
+                c.eager_lat.record(eager_s)
         where = bucket if bucket is not None else _where(graph)
         self._sink.shadow_check(
             passed=result.ok,
@@ -319,11 +287,9 @@ class ShadowRunner:
                     details={"graph": graph.id} if graph is not None else {},
                 )
             )
-        if compiled_s is not None and eager_s is not None and result.ok:
-            self._compiled_lat.record(compiled_s)
-            self._eager_lat.record(eager_s)
 
-    def _skip(self, graph: GraphRecord | None, why: str) -> None:
+    def skip_graph(self, graph: GraphRecord | None, why: str) -> None:
+        """Count a skipped check, and say once per graph and reason why it was skipped."""
         key = (graph.id if graph is not None else 0, why)
         with self._lock:
             self._c.skipped += 1
@@ -363,28 +329,35 @@ class ShadowRunner:
         except Exception as exc:
             with self._lock:
                 self._c.pending -= 1
-            self._skip(
+            self.skip_graph(
                 graph, f"inputs could not be copied for the eager run ({type(exc).__name__})"
             )
             return
-        _WORKER.submit(_Job(self, graph, inputs, out_copy, compiled_s, canary))
+        _WORKER.submit(lambda: self._run_async(graph, inputs, out_copy, compiled_s, canary))
 
-    def _run_job(self, job: _Job) -> None:
+    def _run_async(
+        self,
+        graph: GraphRecord,
+        inputs: tuple[tuple[Any, ...], dict[str, Any]],
+        out: Any,
+        compiled_s: float | None,
+        canary: bool,
+    ) -> None:
         try:
-            args, kwargs = job.inputs
+            args, kwargs = inputs
             started = self._clock()
             with torch.no_grad():
                 eager_out = self.fn(*args, **kwargs)
             sync_device(eager_out)
             eager_s = self._clock() - started
-            result = self._compare(job.out, eager_out)
-            self._note(job.graph, result, job.compiled_s, eager_s, job.canary)
+            result = self._compare(out, eager_out)
+            self.note(graph, None, result, compiled_s, eager_s, canary)
             if not result.ok:
                 self._on_breach(
-                    job.graph, result.reason or "outputs differ", result.max_abs, result.max_rel
+                    graph, result.reason or "outputs differ", result.max_abs, result.max_rel
                 )
         except Exception as exc:
-            self._skip(job.graph, f"the async eager run raised {type(exc).__name__}")
+            self.skip_graph(graph, f"the async eager run raised {type(exc).__name__}")
         finally:
             with self._lock:
                 self._c.pending -= 1
@@ -404,26 +377,16 @@ def _where(graph: GraphRecord | None) -> str | None:
     return graph.bucket if graph.bucket is not None else f"graph {graph.id} ({graph.label})"
 
 
-@dataclass(slots=True)
-class _Job:
-    runner: ShadowRunner
-    graph: GraphRecord
-    inputs: tuple[tuple[Any, ...], dict[str, Any]]
-    out: Any
-    compiled_s: float | None
-    canary: bool
-
-
 class _Worker:
     """One daemon thread for every callable's async checks."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._idle = threading.Condition()
         self._in_flight = 0
 
-    def submit(self, job: _Job) -> None:
+    def submit(self, job: Callable[[], None]) -> None:
         with self._idle:
             self._in_flight += 1
             if self._thread is None or not self._thread.is_alive():
@@ -437,7 +400,7 @@ class _Worker:
         while True:
             job = self._queue.get()
             try:
-                job.runner._run_job(job)
+                job()
             finally:
                 with self._idle:
                     self._in_flight -= 1
