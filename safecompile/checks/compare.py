@@ -62,6 +62,8 @@ _COMPLEX_PARTS = {
     torch.complex64: torch.float32,
     torch.complex32: torch.float16,
 }
+# float32 matmul settings (torch's precision, mkldnn's fp32_precision) that reduce it
+_REDUCED = {"medium": "bfloat16", "high": "tf32", "bf16": "bfloat16", "tf32": "tf32"}
 _NON_FINITE = (
     "NaN where eager is not NaN",
     "not NaN where eager is NaN",
@@ -112,19 +114,13 @@ def compare(
     rtol: float | None = None,
     atol: float | None = None,
 ) -> Comparison:
-    """Compare ``actual`` (the compiled output) with ``expected`` (eager's).
+    """Compare ``actual`` (the compiled output) with ``expected`` (eager's), nested to any
+    depth; ``docs/tolerances.md`` says what counts as a breach.
 
-    Tensors, tuples, lists, namedtuples, mappings (Hugging Face ``ModelOutput`` too),
-    dataclasses, ``None`` and Python scalars are compared, nested to any depth. A
-    difference in structure, type, keys, length, shape, dtype, device or layout is a
-    breach; so is NaN or Inf where eager is finite (NaN in the same places as eager's,
-    and equal infinities, are not). Integer and bool tensors compare exactly. ``rtol`` /
-    ``atol`` of ``None`` mean the per-dtype defaults (:func:`default_tolerances`): float32
-    takes the TF32 figures where TF32 (or bf16) matmuls are allowed for its device, and a
-    Python float the float32 figures.
-
-    Never raises on odd outputs: what cannot be compared faithfully is a breach with a
-    reason. On CUDA, all per-tensor figures are gathered and read back with one sync.
+    ``rtol`` / ``atol`` of ``None`` mean the per-dtype defaults (:func:`default_tolerances`;
+    float32 takes the TF32 or bf16 figures where its matmuls run so, a Python float the
+    float32 figures). Never raises on odd outputs: what cannot be compared faithfully is a
+    breach with a reason. All per-tensor figures are read back with one sync per device.
     """
     walk = _Walk(rtol, atol)
     with torch.no_grad():
@@ -195,25 +191,16 @@ class _Walk:
         if actual is None or expected is None:
             if actual is not expected:
                 self.breach(path, f"type {_tname(actual)} != {_tname(expected)}")
-            return
-        if isinstance(actual, torch.Tensor) or isinstance(expected, torch.Tensor):
+        elif isinstance(actual, torch.Tensor) or isinstance(expected, torch.Tensor):
             self.tensor(actual, expected, path)
-            return
-        if isinstance(actual, _PLAIN) or isinstance(expected, _PLAIN):
+        elif isinstance(actual, _PLAIN) or isinstance(expected, _PLAIN):
             self.plain(actual, expected, path)
-            return
-        if type(actual) is not type(expected):
+        elif type(actual) is not type(expected):
             self.breach(path, f"type {_tname(actual)} != {_tname(expected)}")
-            return
-        self.container(actual, expected, path)
-
-    def container(self, actual: object, expected: object, path: str) -> None:
-        """Two objects of the same type, neither a tensor nor a Python scalar."""
-        if isinstance(expected, Mapping):
-            assert isinstance(actual, Mapping)
+        # from here on, both of one type
+        elif isinstance(expected, Mapping) and isinstance(actual, Mapping):
             self.mapping(actual, expected, path)
-        elif isinstance(expected, Sequence):
-            assert isinstance(actual, Sequence)
+        elif isinstance(expected, Sequence) and isinstance(actual, Sequence):
             self.sequence(actual, expected, path)
         elif dataclasses.is_dataclass(expected) and not isinstance(expected, type):
             for f in dataclasses.fields(expected):
@@ -242,13 +229,13 @@ class _Walk:
         """Keys first, then values; ``attributes`` for an object's ``vars()``."""
         missing = [k for k in expected if k not in actual]
         extra = [k for k in actual if k not in expected]
-        if missing or extra:
-            what = "attributes" if attributes else "keys"
-            parts = []
-            if missing:
-                parts.append(f"missing {what} {_keys(missing)}")
-            if extra:
-                parts.append(f"unexpected {what} {_keys(extra)}")
+        what = "attributes" if attributes else "keys"
+        parts = [
+            f"{how} {what} {_keys(k)}"
+            for how, k in (("missing", missing), ("unexpected", extra))
+            if k
+        ]
+        if parts:
             self.breach(path, ", ".join(parts))
             return
         for key, e in expected.items():
@@ -394,11 +381,8 @@ class _Walk:
 
 @dataclass(frozen=True, slots=True)
 class TensorFigures:
-    """One tensor's figures, over the elements finite on both sides.
-
-    ``d = actual - expected``. The norms may all be divided by one ``scale`` (which
-    keeps their squares in range); the maxima are true magnitudes.
-    """
+    """One tensor's figures over the elements finite on both sides, ``d = actual - expected``;
+    the norms may be divided by one ``scale`` (keeping their squares in range)."""
 
     d_norm: float  # ‖d‖
     e_norm: float  # ‖expected‖
@@ -417,11 +401,8 @@ class TensorFigures:
 
     @property
     def scale_error(self) -> float:
-        """The least-squares scale error ``<d, expected> / ‖expected‖²`` (0 if undefined).
-
-        ``actual ≈ (1 + s)·expected`` for a multiplicative drift ``s``. Computed from the
-        norms, as ``(‖a‖² - ‖d‖² - ‖e‖²) / 2‖e‖²`` since ``a = d + e``.
-        """
+        """The least-squares scale error ``s = <d, e> / ‖e‖²`` (``a ≈ (1 + s)·e``; 0 if
+        undefined), from the norms: ``(‖a‖² - ‖d‖² - ‖e‖²) / 2‖e‖²`` since ``a = d + e``."""
         e = self.e_norm
         if e <= 0:
             return 0.0
@@ -447,21 +428,15 @@ class TensorFigures:
 def verdict(
     f: TensorFigures, rtol: float, atol: float, label: str = ""
 ) -> tuple[float, str | None]:
-    """``(normalised error, why the tensor breaches or None)``.
-
-    Three checks, in order, with ``d = actual - expected`` and ``e = expected``:
+    """``(normalised error, why the tensor breaches or None)``; ``label`` (the dtype, say)
+    goes in the message. With ``d = actual - expected`` and ``e = expected``, in order:
 
     1. noise: ``‖d‖ <= rtol·‖e‖ + atol·√n``;
-    2. scale: the least-squares scale error ``s = <d, e> / ‖e‖²`` must satisfy
-       ``|s| <= SCALE_SHARE·rtol + SCALE_SIGMAS·(‖d‖/‖e‖)·(max|e|/‖e‖) + atol·√n/‖e‖``.
-       Rounding noise is uncorrelated with ``e``, so ``s`` stays near 0 for honest
-       differences while a multiplicative drift shows in full; the second term is the
-       scale error that noise alone can show on a small tensor (its standard error is
-       at most ``(‖d‖/‖e‖)·max|e|/‖e‖``);
-    3. peak: ``max|d| <= PEAK_FACTOR·rtol·max|e| + atol``, for a few wrong elements
-       that the norm averages away.
+    2. scale: ``|<d, e> / ‖e‖²| <= SCALE_SHARE·rtol + SCALE_SIGMAS·(‖d‖/‖e‖)·(max|e|/‖e‖)
+       + atol·√n/‖e‖`` (a drift shows in full; rounding, uncorrelated with ``e``, barely);
+    3. peak: ``max|d| <= PEAK_FACTOR·rtol·max|e| + atol`` (a few wrong elements).
 
-    ``label`` (the dtype, say) is put in the message.
+    ``docs/tolerances.md`` explains each term and the measurements behind them.
     """
     rel = f.normalised
     tag = f" ({label})" if label else ""
@@ -495,15 +470,12 @@ def _fast_figures(leaf: _Leaf) -> torch.Tensor:
     a, e = leaf.actual, leaf.expected
     work = torch.float64 if e.dtype == torch.float64 else torch.float32
     norm = torch.linalg.vector_norm
-    if e.dtype == work:
-        a_norm, e_norm = norm(a), norm(e)
-        e_lo, e_hi = torch.aminmax(e)
-        d = torch.sub(a, e)
-    else:
-        a, e = a.to(work), e.to(work)  # exact upcasts, then one rounding in the subtraction
-        a_norm, e_norm = norm(a), norm(e)
-        e_lo, e_hi = torch.aminmax(e)
-        d = a.sub_(e)  # `a` is our own copy
+    upcast = e.dtype != work
+    if upcast:  # exact upcasts, then one rounding in the subtraction
+        a, e = a.to(work), e.to(work)
+    a_norm, e_norm = norm(a), norm(e)
+    e_lo, e_hi = torch.aminmax(e)
+    d = a.sub_(e) if upcast else torch.sub(a, e)  # in place only on our own copy
     d_lo, d_hi = torch.aminmax(d)
     return torch.stack([norm(d), e_norm, a_norm, d_lo, d_hi, e_lo, e_hi])
 
@@ -539,25 +511,13 @@ def _slow_figures(leaf: _Leaf) -> tuple[list[int], TensorFigures]:
     a_nan, e_nan = torch.isnan(a), torch.isnan(e)
     inf_bad = ((torch.isinf(a) | torch.isinf(e)) & ~a_nan & ~e_nan & (a != e)).sum()
     finite = torch.isfinite(a) & torch.isfinite(e)
-    a = torch.where(finite, a, 0.0)
-    e = torch.where(finite, e, 0.0)
+    a, e = torch.where(finite, a, 0.0), torch.where(finite, e, 0.0)
     d = a - e
     d_max, e_max, a_max = (_abs_max(t) for t in (d, e, a))
     scale = torch.maximum(torch.maximum(d_max, e_max), a_max).clamp_min(torch.finfo(work).tiny)
-    got = torch.stack(
-        [
-            (a_nan & ~e_nan).sum().to(work),
-            (e_nan & ~a_nan).sum().to(work),
-            inf_bad.to(work),
-            finite.sum().to(work),
-            torch.linalg.vector_norm(d / scale),
-            torch.linalg.vector_norm(e / scale),
-            torch.linalg.vector_norm(a / scale),
-            d_max,
-            e_max,
-            scale,
-        ]
-    ).tolist()
+    counts = [(a_nan & ~e_nan).sum(), (e_nan & ~a_nan).sum(), inf_bad, finite.sum()]
+    norms = [torch.linalg.vector_norm(t / scale) for t in (d, e, a)]
+    got = torch.stack([c.to(work) for c in counts] + norms + [d_max, e_max, scale]).tolist()
     d_norm, e_norm, a_norm, dm, em, s = got[4:]
     return [int(x) for x in got[:3]], TensorFigures(d_norm, e_norm, a_norm, dm, em, int(got[3]), s)
 
@@ -578,23 +538,14 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
 
 def _fp32_kind(device: torch.device) -> str | None:
     """How float32 matmuls run now: ``None`` (full fp32), ``"tf32"`` or ``"bfloat16"``."""
-    precision = torch.get_float32_matmul_precision()
-    if precision == "medium":
-        return "bfloat16"
-    if precision == "high":
-        return "tf32"
-    if device.type == "cuda" and (
-        torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32
-    ):
-        return "tf32"
-    if device.type == "cpu":
+    kind = _REDUCED.get(torch.get_float32_matmul_precision())
+    if kind is None and device.type == "cuda":
+        cuda_tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32
+        kind = "tf32" if cuda_tf32 else None
+    if kind is None and device.type == "cpu":
         mkldnn = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
-        setting = getattr(mkldnn, "fp32_precision", "none")
-        if setting == "bf16":
-            return "bfloat16"
-        if setting == "tf32":
-            return "tf32"
-    return None
+        kind = _REDUCED.get(getattr(mkldnn, "fp32_precision", "none"))
+    return kind
 
 
 def _tensor_mismatch(actual: torch.Tensor, expected: torch.Tensor) -> str | None:

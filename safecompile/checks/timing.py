@@ -1,9 +1,10 @@
-"""Latency bookkeeping: the A/B percentiles of shadow-checked calls (figures only; the
-speed verdict lives in :mod:`safecompile.checks.speed`)."""
+"""The A/B latency percentiles of shadow-checked calls (figures only; the speed verdict
+lives in :mod:`safecompile.checks.speed`)."""
 
 from __future__ import annotations
 
 import math
+import statistics
 import threading
 from collections import deque
 
@@ -11,11 +12,8 @@ __all__ = ["LatencyWindow"]
 
 
 class LatencyWindow:
-    """The last ``size`` latencies of one path, in seconds; thread-safe.
-
-    Values that are not finite or are negative are ignored (a broken clock must not
-    poison the figures).
-    """
+    """The last ``size`` latencies of one path, in seconds; thread-safe. Values that are not
+    finite or are negative are ignored (a broken clock must not poison the figures)."""
 
     def __init__(self, size: int = 1024) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
@@ -25,7 +23,6 @@ class LatencyWindow:
         self._count = 0
 
     def record(self, seconds: float) -> None:
-        """Add one latency."""
         if not (math.isfinite(seconds) and seconds >= 0.0):
             return
         with self._lock:
@@ -43,23 +40,14 @@ class LatencyWindow:
             return list(self._samples)
 
     def percentiles(self) -> dict[str, float]:
-        """``{"p50", "p90", "p99", "mean"}`` over the window, in seconds; ``{}`` when empty."""
-        ordered = sorted(self.samples())
-        if not ordered:
+        """``{"p50", "p90", "p99", "mean"}`` over the window, in seconds (linear between
+        ranks, as numpy and the doctor's p99); ``{}`` when empty."""
+        samples = self.samples()
+        if not samples:
             return {}
-        return {
-            "p50": _quantile(ordered, 0.50),
-            "p90": _quantile(ordered, 0.90),
-            "p99": _quantile(ordered, 0.99),
-            "mean": math.fsum(ordered) / len(ordered),
-        }
-
-
-def _quantile(ordered: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default), of sorted data."""
-    if len(ordered) == 1:
-        return ordered[0]
-    position = q * (len(ordered) - 1)
-    low = math.floor(position)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+        if len(samples) == 1:  # statistics.quantiles wants two
+            cuts = samples * 99
+        else:
+            cuts = statistics.quantiles(samples, n=100, method="inclusive")
+        mean = statistics.fmean(samples)
+        return {"p50": cuts[49], "p90": cuts[89], "p99": cuts[98], "mean": mean}

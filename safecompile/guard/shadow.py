@@ -143,10 +143,7 @@ class ShadowRunner:
             self._submit(graph, args, kwargs, out, compiled_s, canary)
             return Outcome()
         after = snapshot.swap_back() if changed or snapshot.objects else None
-        started = self._clock()
-        eager_out = self.fn(*args, **kwargs)
-        sync_device(eager_out)
-        eager_s = self._clock() - started
+        eager_out, eager_s = self._eager(args, kwargs)
         try:
             compiled_out = after.compiled_value(out) if after is not None else out
             result = self._compare(compiled_out, eager_out)
@@ -196,6 +193,13 @@ class ShadowRunner:
         self.skip_graph(due[0], f"{why}; this graph is not checked{hint}")
         return False
 
+    def _eager(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, float]:
+        """Eager's output and time (the work done, not only launched)."""
+        started = self._clock()
+        eager_out = self.fn(*args, **kwargs)
+        sync_device(eager_out)
+        return eager_out, self._clock() - started
+
     def tolerances(self) -> tuple[float | None, float | None]:
         policy = self.policy
         return (policy.rtol, policy.atol) if policy is not None else (None, None)
@@ -228,8 +232,8 @@ class ShadowRunner:
     def _compare_state(self, after: After) -> Comparison:
         result = self._compare(after.compiled_tensors(), after.eager_tensors())
         if not result.ok:
-            why = f"the state update differs (buffers or inputs): {result.reason}"
-            return dataclasses.replace(result, reason=why)
+            reason = f"the state update differs (buffers or inputs): {result.reason}"
+            return dataclasses.replace(result, reason=reason)
         differ = after.attrs_differ()
         if differ is not None:
             return Comparison(ok=False, max_abs=0.0, max_rel=math.inf, reason=differ)
@@ -237,13 +241,12 @@ class ShadowRunner:
         if not compiled:
             return result
         objects = self._compare(compiled, eager)
+        why = None if objects.ok else f"the Python objects it updates differ: {objects.reason}"
         return Comparison(
             ok=objects.ok,
             max_abs=max(result.max_abs, objects.max_abs),
             max_rel=max(result.max_rel, objects.max_rel),
-            reason=None
-            if objects.ok
-            else f"the Python objects it updates differ: {objects.reason}",
+            reason=why,
             leaves=result.leaves + objects.leaves,
         )
 
@@ -324,8 +327,7 @@ class ShadowRunner:
             self._c.pending += 1
         try:
             with torch.no_grad():
-                inputs = pytree.tree_map_only(torch.Tensor, _copy, (args, kwargs))
-                out_copy = pytree.tree_map_only(torch.Tensor, _copy, out)
+                inputs, out = pytree.tree_map_only(torch.Tensor, _copy, ((args, kwargs), out))
         except Exception as exc:
             with self._lock:
                 self._c.pending -= 1
@@ -333,7 +335,7 @@ class ShadowRunner:
                 graph, f"inputs could not be copied for the eager run ({type(exc).__name__})"
             )
             return
-        _WORKER.submit(lambda: self._run_async(graph, inputs, out_copy, compiled_s, canary))
+        _WORKER.submit(lambda: self._run_async(graph, inputs, out, compiled_s, canary))
 
     def _run_async(
         self,
@@ -344,12 +346,8 @@ class ShadowRunner:
         canary: bool,
     ) -> None:
         try:
-            args, kwargs = inputs
-            started = self._clock()
             with torch.no_grad():
-                eager_out = self.fn(*args, **kwargs)
-            sync_device(eager_out)
-            eager_s = self._clock() - started
+                eager_out, eager_s = self._eager(*inputs)
             result = self._compare(out, eager_out)
             self.note(graph, None, result, compiled_s, eager_s, canary)
             if not result.ok:
