@@ -531,9 +531,7 @@ def _dense(t: torch.Tensor) -> torch.Tensor:
     """A strided tensor with the same values (sparse made dense, quantized dequantized)."""
     if t.is_quantized:
         return t.dequantize()
-    if t.layout != torch.strided:
-        return t.to_dense()
-    return t
+    return t.to_dense() if t.layout != torch.strided else t
 
 
 def _fp32_kind(device: torch.device) -> str | None:

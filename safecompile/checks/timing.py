@@ -1,5 +1,5 @@
-"""The A/B latency percentiles of shadow-checked calls (figures only; the speed verdict
-lives in :mod:`safecompile.checks.speed`)."""
+"""Latency percentiles: the A/B figures of shadow-checked calls and the doctor's timings
+(figures only; the speed verdict lives in :mod:`safecompile.checks.speed`)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class LatencyWindow:
 
     def percentiles(self) -> dict[str, float]:
         """``{"p50", "p90", "p99", "mean"}`` over the window, in seconds (linear between
-        ranks, as numpy and the doctor's p99); ``{}`` when empty."""
+        ranks, as numpy's default); ``{}`` when empty."""
         samples = self.samples()
         if not samples:
             return {}

@@ -1,16 +1,12 @@
 """Shadow checks: compare a compiled call with eager, per graph, state-safe.
 
-A check is due when a graph that served the call says so (its canary, then one run in
-``every``: :class:`~.graphs.GraphTable`), and runs *after* the compiled call. ``sync``:
-eager runs on the caller's own arguments and grad mode, so on a breach the caller gets
-eager's result with its gradients; state the compiled run updated is swapped back first
-(:mod:`safecompile.checks.snapshot`), and the two updates are compared like outputs.
-``async``: copies of the inputs and output go to one worker thread on a bounded budget;
-graphs that update state are not checked (the worker cannot isolate the live module).
-
-Checked calls also time both paths, for the A/B latency figures in ``stats()`` only:
-eager runs right after the compiled call, on warm caches, unlike live traffic. The speed
-verdict times live calls instead (:mod:`safecompile.checks.speed`).
+A check is due when a graph that served the call says so (:class:`~.graphs.GraphTable`),
+and runs *after* the compiled call. ``sync``: eager runs on the caller's own arguments and
+grad mode, so on a breach the caller gets eager's result with its gradients; state the
+compiled run updated is swapped back first (:mod:`safecompile.checks.snapshot`), and the
+two updates are compared like outputs. ``async``: copies of the inputs and output go to
+one worker thread on a bounded budget; graphs that update state are not checked. The two
+paths' times feed only the A/B figures in ``stats()`` (eager runs on warm caches there).
 """
 
 from __future__ import annotations
@@ -31,6 +27,7 @@ from safecompile.base.policies import Shadow
 from safecompile.base.torchcompat import pytree
 from safecompile.checks.compare import Comparison, compare
 from safecompile.checks.timing import LatencyWindow
+from safecompile.observe.log import Once
 
 from .graphs import GraphRecord, GraphTable
 
@@ -90,7 +87,7 @@ class _Counters:
     max_abs: float = 0.0
     max_rel: float = 0.0
     pending: int = 0
-    said: set[tuple[int, str]] = field(default_factory=set)
+    said: Once = field(default_factory=Once)  # (graph id, why) of the skips said
     compiled_lat: LatencyWindow = field(default_factory=LatencyWindow)
     eager_lat: LatencyWindow = field(default_factory=LatencyWindow)
 
@@ -293,12 +290,10 @@ class ShadowRunner:
 
     def skip_graph(self, graph: GraphRecord | None, why: str) -> None:
         """Count a skipped check, and say once per graph and reason why it was skipped."""
-        key = (graph.id if graph is not None else 0, why)
         with self._lock:
             self._c.skipped += 1
-            first = key not in self._c.said
-            self._c.said.add(key)
-        if first:
+            said = self._c.said
+        if said.first((graph.id if graph is not None else 0, why)):
             self._record(
                 Event(
                     kind=EventKind.SHADOW_SKIPPED,
@@ -335,30 +330,24 @@ class ShadowRunner:
                 graph, f"inputs could not be copied for the eager run ({type(exc).__name__})"
             )
             return
-        _WORKER.submit(lambda: self._run_async(graph, inputs, out, compiled_s, canary))
 
-    def _run_async(
-        self,
-        graph: GraphRecord,
-        inputs: tuple[tuple[Any, ...], dict[str, Any]],
-        out: Any,
-        compiled_s: float | None,
-        canary: bool,
-    ) -> None:
-        try:
-            with torch.no_grad():
-                eager_out, eager_s = self._eager(*inputs)
-            result = self._compare(out, eager_out)
-            self.note(graph, None, result, compiled_s, eager_s, canary)
-            if not result.ok:
-                self._on_breach(
-                    graph, result.reason or "outputs differ", result.max_abs, result.max_rel
-                )
-        except Exception as exc:
-            self.skip_graph(graph, f"the async eager run raised {type(exc).__name__}")
-        finally:
-            with self._lock:
-                self._c.pending -= 1
+        def job() -> None:  # on the worker thread
+            try:
+                with torch.no_grad():
+                    eager_out, eager_s = self._eager(*inputs)
+                result = self._compare(out, eager_out)
+                self.note(graph, None, result, compiled_s, eager_s, canary)
+                if not result.ok:
+                    self._on_breach(
+                        graph, result.reason or "outputs differ", result.max_abs, result.max_rel
+                    )
+            except Exception as exc:
+                self.skip_graph(graph, f"the async eager run raised {type(exc).__name__}")
+            finally:
+                with self._lock:
+                    self._c.pending -= 1
+
+        _WORKER.submit(job)
 
 
 def sync_device(out: Any) -> None:
