@@ -220,6 +220,23 @@ def test_async_trips_later_and_never_returns_eager_twice() -> None:
     assert g.safecompile.stats().shadow_breaches >= 1
 
 
+def test_async_never_checks_a_call_that_updates_its_input() -> None:
+    """Async mode cannot isolate state: a call that updates its input is never checked,
+    one event says why and names sync mode, and the update is applied once."""
+    g = safe_compile(bump, backend="aot_eager", shadow=Shadow(mode="async", every=1))
+    x = torch.zeros(4)
+    for i in range(1, 4):
+        torch.testing.assert_close(g(x), torch.full((4,), 2.0 * i))
+    drain_shadow_checks()
+    torch.testing.assert_close(x, torch.full((4,), 3.0))
+    stats = g.safecompile.stats()
+    assert (stats.shadow_checks, stats.shadow_breaches) == (0, 0)
+    said = [e.message or "" for e in g.safecompile.events() if e.kind == EventKind.SHADOW_SKIPPED]
+    assert len(said) == 1, said
+    assert "an async check cannot isolate" in said[0]
+    assert "Shadow(mode='sync') can check it" in said[0]
+
+
 def test_async_never_blocks_and_full_queue_skips() -> None:
     """With the worker stuck, calls still return; checks past the queue are skipped and counted."""
     gate = threading.Event()

@@ -191,13 +191,13 @@ class _Walk:
         if actual is None or expected is None:
             if actual is not expected:
                 self.breach(path, f"type {_tname(actual)} != {_tname(expected)}")
-        elif isinstance(actual, torch.Tensor) or isinstance(expected, torch.Tensor):
+        elif isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
             self.tensor(actual, expected, path)
-        elif isinstance(actual, _PLAIN) or isinstance(expected, _PLAIN):
-            self.plain(actual, expected, path)
         elif type(actual) is not type(expected):
             self.breach(path, f"type {_tname(actual)} != {_tname(expected)}")
         # from here on, both of one type
+        elif isinstance(expected, _PLAIN):
+            self.plain(actual, expected, path)
         elif isinstance(expected, Mapping) and isinstance(actual, Mapping):
             self.mapping(actual, expected, path)
         elif isinstance(expected, Sequence) and isinstance(actual, Sequence):
@@ -243,10 +243,7 @@ class _Walk:
             self.visit(actual[key], e, sub)
 
     def plain(self, actual: object, expected: object, path: str) -> None:
-        """Python scalars: int/bool/str/bytes exact, float and complex close."""
-        if type(actual) is not type(expected):
-            self.breach(path, f"type {_tname(actual)} != {_tname(expected)}")
-            return
+        """Python scalars of one type: int/bool/str/bytes exact, float and complex close."""
         if isinstance(expected, numbers.Integral) or not isinstance(expected, numbers.Complex):
             if actual != expected:
                 self.breach(path, f"{_tname(expected)} values differ")
@@ -301,10 +298,7 @@ class _Walk:
             atol if self.atol is None else self.atol,
         )
 
-    def tensor(self, actual: object, expected: object, path: str) -> None:
-        if not isinstance(actual, torch.Tensor) or not isinstance(expected, torch.Tensor):
-            self.breach(path, f"type {_tname(actual)} != {_tname(expected)}")
-            return
+    def tensor(self, actual: torch.Tensor, expected: torch.Tensor, path: str) -> None:
         self.leaves += 1
         mismatch = _tensor_mismatch(actual, expected)
         if mismatch is not None:

@@ -53,17 +53,17 @@ class Sink(Protocol):
     ) -> None: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Figures:
-    """Shadow-check counters for ``stats()``."""
+    """Shadow-check counters for ``stats()`` (:meth:`ShadowRunner.figures` hands out copies)."""
 
-    checks: int
-    breaches: int
-    skipped: int
-    queue_full: int
-    max_abs: float
-    max_rel: float
-    latency: dict[str, Any]
+    checks: int = 0
+    breaches: int = 0
+    skipped: int = 0
+    queue_full: int = 0
+    max_abs: float = 0.0
+    max_rel: float = 0.0
+    latency: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,12 +80,7 @@ class Outcome:
 
 @dataclass(slots=True)
 class _Counters:
-    checks: int = 0
-    breaches: int = 0
-    skipped: int = 0
-    queue_full: int = 0
-    max_abs: float = 0.0
-    max_rel: float = 0.0
+    counts: Figures = field(default_factory=Figures)
     pending: int = 0
     said: Once = field(default_factory=Once)  # (graph id, why) of the skips said
     compiled_lat: LatencyWindow = field(default_factory=LatencyWindow)
@@ -204,19 +199,12 @@ class ShadowRunner:
     def figures(self) -> Figures:
         with self._lock:
             c = self._c
-            return Figures(
-                checks=c.checks,
-                breaches=c.breaches,
-                skipped=c.skipped,
-                queue_full=c.queue_full,
-                max_abs=c.max_abs,
-                max_rel=c.max_rel,
-                latency={
-                    "compiled": c.compiled_lat.percentiles(),
-                    "eager": c.eager_lat.percentiles(),
-                    "pairs": min(c.compiled_lat.count(), c.eager_lat.count()),
-                },
-            )
+            latency = {
+                "compiled": c.compiled_lat.percentiles(),
+                "eager": c.eager_lat.percentiles(),
+                "pairs": min(c.compiled_lat.count(), c.eager_lat.count()),
+            }
+            return dataclasses.replace(c.counts, latency=latency)
 
     def reset(self) -> None:
         with self._lock:
@@ -258,12 +246,12 @@ class ShadowRunner:
     ) -> None:
         """Count a comparison: a check's, or one the controller made (a bucket's padding)."""
         with self._lock:
-            c = self._c
-            c.checks += 1
+            c, counts = self._c, self._c.counts
+            counts.checks += 1
             if not result.ok:
-                c.breaches += 1
-            c.max_abs = max(c.max_abs, result.max_abs)  # a NaN never replaces the first
-            c.max_rel = max(c.max_rel, result.max_rel)
+                counts.breaches += 1
+            counts.max_abs = max(counts.max_abs, result.max_abs)  # a NaN never replaces the first
+            counts.max_rel = max(counts.max_rel, result.max_rel)
             if compiled_s is not None and eager_s is not None and result.ok:
                 c.compiled_lat.record(compiled_s)
                 c.eager_lat.record(eager_s)
@@ -291,7 +279,7 @@ class ShadowRunner:
     def skip_graph(self, graph: GraphRecord | None, why: str) -> None:
         """Count a skipped check, and say once per graph and reason why it was skipped."""
         with self._lock:
-            self._c.skipped += 1
+            self._c.counts.skipped += 1
             said = self._c.said
         if said.first((graph.id if graph is not None else 0, why)):
             self._record(
@@ -316,8 +304,8 @@ class ShadowRunner:
         assert self.policy is not None
         with self._lock:
             if self._c.pending >= self.policy.queue_size:
-                self._c.queue_full += 1
-                self._c.skipped += 1
+                self._c.counts.queue_full += 1
+                self._c.counts.skipped += 1
                 return
             self._c.pending += 1
         try:
