@@ -297,14 +297,13 @@ def _put(obj: Any, keys: Keys, target: Any, *, unless: Any = None) -> None:
     """Make the object hold ``target`` again, writing only what differs. An entry still
     holding its value from ``unless`` is left alone: a tensor updated in place is put
     back by value, and eager must update that very tensor."""
-    if isinstance(obj, list):
-        if unless is None or _differs(unless, contents_of(obj, keys)):
-            obj[:] = target
-        return
-    if isinstance(obj, set):
+    if isinstance(obj, list | set):
         if unless is None or _differs(unless, contents_of(obj, keys)):
             obj.clear()
-            obj.update(target)
+            if isinstance(obj, list):
+                obj.extend(target)
+            else:
+                obj.update(target)
         return
     now = contents_of(obj, keys)
     held = obj if isinstance(obj, dict) else getattr(obj, "__dict__", None)

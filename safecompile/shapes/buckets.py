@@ -193,22 +193,22 @@ class _Branch(_Node):
     """A container walked by its keys: a tuple or list (named, struct sequences) by
     index, a dict by key (in order), a dataclass (``ModelOutput``) by field."""
 
-    __slots__ = ("children", "cuts_any", "form", "keys", "kind", "parts")
+    __slots__ = ("children", "cuts_any", "form", "keys", "kind", "layout", "parts")
 
     def __init__(
-        self, kind: type[Any], form: _Form, keys: tuple[Any, ...], children: tuple[_Node, ...]
+        self, sample: object, form: _Form, keys: tuple[Any, ...], children: tuple[_Node, ...]
     ) -> None:
-        self.kind = kind
+        self.kind: type[Any] = type(sample)
         self.form = form
         self.keys = keys
         self.children = children
-        self.parts = _parts(kind, form, keys)
+        self.parts = _parts(self.kind, form, keys)
+        self.layout = _layout(sample)  # for messages
         self.cuts_any = any(c.cuts_any for c in children)
 
     def apply(self, obj: Any, lengths: tuple[int, ...], path: str) -> Any:
         if type(obj) is not self.kind or not self._same_keys(obj):
-            expected = _layout_of(self.kind, self.form, self.keys)
-            raise UnpadError(f"{_show(path)} is {_layout(obj)}, expected {expected}")
+            raise UnpadError(f"{_show(path)} is {_layout(obj)}, expected {self.layout}")
         values = [_child(obj, self.form, k) for k in self.keys]
         items = [
             c.apply(v, lengths, _join(path, part))
@@ -275,18 +275,13 @@ def _parts(kind: type[Any], form: _Form, keys: tuple[Any, ...]) -> tuple[Any, ..
     return fields if form == "seq" and isinstance(fields, tuple) else keys
 
 
-def _layout_of(kind: type[Any], form: _Form | None, keys: tuple[Any, ...]) -> str:
-    """A value's type and keys, for messages: ``a tuple of 2``, ``a dict with keys ['h']``."""
-    if form == "seq":
-        return f"a {kind.__name__} of {len(keys)}"
-    if form == "map":
-        return f"a {kind.__name__} with keys {list(keys)}"
-    return f"a {kind.__name__}"
-
-
 def _layout(obj: object) -> str:
-    form, keys = _contents(obj) or (None, ())
-    return _layout_of(type(obj), form, keys)
+    """A value's type and keys, for messages: ``a tuple of 2``, ``a dict with keys ['h']``."""
+    if isinstance(obj, dict):
+        return f"a {type(obj).__name__} with keys {list(obj)}"
+    if isinstance(obj, list | tuple):
+        return f"a {type(obj).__name__} of {len(obj)}"
+    return f"a {type(obj).__name__}"
 
 
 def _join(path: str, part: object) -> str:
@@ -332,7 +327,7 @@ def _walk(p: object, e: object, path: str, tensor: Callable[[_Tensor, Any, str],
         )
         for k, part in zip(keys, _parts(type(p), form, keys), strict=True)
     )
-    return _Branch(type(p), form, keys, children)
+    return _Branch(p, form, keys, children)
 
 
 def _tensor_nodes(node: _Node, path: str = "") -> Iterator[tuple[str, _TensorNode]]:
