@@ -450,12 +450,8 @@ def uses_cudagraphs(
     inductor with ``triton.cudagraphs`` on (set by itself or by the ``mode``)."""
     if backend in _CUDAGRAPH_BACKENDS:
         return True
-    settings: dict[str, Any] = {}
-    if mode is not None and backend == "inductor":
-        try:
-            settings.update(torchcompat.mode_options(mode))
-        except Exception:  # pragma: no cover - an unknown mode is refused elsewhere
-            settings["triton.cudagraphs"] = mode in ("reduce-overhead", "max-autotune")
+    # mode_options gives a fresh dict; safe_compile validated the mode against its keys
+    settings = torchcompat.mode_options(mode) if mode is not None and backend == "inductor" else {}
     settings.update(options or {})
     return bool(settings.get("triton.cudagraphs"))
 

@@ -127,17 +127,17 @@ class BucketTable:
             if size not in spec.sizes:
                 continue  # a length torch specialises (0, 1): a static graph of its own
             index = spec.sizes.index(size)
-            low = max(2, spec.sizes[index - 1] + 1 if index > 0 else 2)
+            low = max(2, spec.sizes[index - 1] + 1) if index > 0 else 2
             if low <= length and low < size:
                 ranges[axis] = (low, size)
         if not ranges:
             return []  # every range holds one length: a static graph
         found, _ = self.bucketer._find(args, kwargs)
         marked = []
-        for slot, _, tensor in found:
+        for param, _, tensor in found:
             saved = {a: copy.copy(getattr(tensor, a)) for a in _MARKS if hasattr(tensor, a)}
             marked.append((tensor, saved))
-            for dim, axis in slot.dims:
+            for dim, axis in param.dims:
                 if axis in ranges:
                     low, high = ranges[axis]
                     missing = torchcompat.mark_dynamic(tensor, dim % tensor.dim(), low, high)
