@@ -555,6 +555,26 @@ def test_unpad_refuses_other_key_or_shape_or_structure() -> None:
         b.unpad(plan, padded, None)
 
 
+def test_a_saved_cut_is_used_only_when_it_fits_its_bucket() -> None:
+    """A cut saved by an earlier process serves again, but one that is malformed, does
+    not fit the bucket, or keeps the padding of an axis it never cuts is refused."""
+    b = bucketer(two, dims={"x": 1})
+    plan, padded, eager = run_padded(b, two, torch.randn(2, 20, 4))
+    saved = b.learn_cuts(plan, padded, eager).saved()
+    assert_same(eager, b.unpad(plan, padded, b.restored_cuts(plan, padded, saved)))
+    [[path, shape, dims, contiguous]] = saved
+    refused = [
+        ([[path, shape, [], contiguous]], "keeps padding"),
+        ([[path, shape, [[1, 0], [1, 0]], contiguous]], "not a distinct dim"),
+        ([[path, shape, [[2, 0]], contiguous]], "does not fit"),
+        ([[1, shape, dims, contiguous]], "path is text"),
+        ([[path, [2.0, 32, 4], dims, contiguous]], "not a list of sizes"),
+    ]
+    for bad, match in refused:
+        with pytest.raises(UnpadError, match=match):
+            b.restored_cuts(plan, padded, bad)
+
+
 def test_output_square_only_when_padded_is_cut_once() -> None:
     """x @ w with a hidden size of 32 and a bucket of 32 gives (B, 32, 32) padded: only
     dim 1 was the length unpadded, so dim 2 is never cut."""

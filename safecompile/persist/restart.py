@@ -116,7 +116,6 @@ class Persisted:
         if saved is None:
             return False
         try:
-            _check_cut(plan, saved)
             cuts = bucketer.restored_cuts(plan, padded_out, saved)
         except (BucketError, ValueError, TypeError, KeyError, IndexError):
             entry.restored = None  # the output changed since: learn and verify again
@@ -236,43 +235,6 @@ class Persisted:
             self._blob(key).unlink(missing_ok=True)
         except OSError as exc:
             _warn("compile artifacts", exc)
-
-
-def _check_cut(plan: Plan, saved: list[Any]) -> None:
-    """``ValueError`` unless a restored cut is well formed and cuts every padded axis
-    wherever an output keeps its padded size (else the caller would get pad rows);
-    ``Bucketer.restored_cuts`` then matches it against the output itself."""
-    if not isinstance(saved, list):
-        raise ValueError("a cut is a list")
-    pairs = zip(plan.lengths, plan.sizes, strict=True)
-    padded = {a for a, (n, size) in enumerate(pairs) if n < size}
-    cut_axes: set[int] = set()
-    kept: set[int] = set()
-    for item in saved:
-        shape, cuts = _tensor_cut(plan, item)
-        cut_axes.update(cuts.values())
-        kept.update(
-            a for a in padded for i, n in enumerate(shape) if i not in cuts and n == plan.sizes[a]
-        )
-    if kept - cut_axes:
-        raise ValueError("the cut keeps padded rows of an axis it never cuts")
-
-
-def _tensor_cut(plan: Plan, item: Any) -> tuple[list[int], dict[int, int]]:
-    """One saved tensor's padded shape and its cut (dim to axis), once well formed."""
-    path, shape, cuts, contiguous = item
-    if not isinstance(path, str) or not isinstance(contiguous, bool):
-        raise ValueError("a cut's path is text and its contiguity a boolean")
-    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
-        raise ValueError("a cut's shape is a list of sizes")
-    found: dict[int, int] = {}
-    for d, a in cuts:
-        if type(d) is not int or type(a) is not int or not 0 <= d < len(shape) or d in found:
-            raise ValueError(f"cut dim {d!r} is not a distinct dim of shape {shape}")
-        if not 0 <= a < len(plan.sizes) or shape[d] != plan.sizes[a]:
-            raise ValueError(f"cut dim {d} does not hold a padded axis of the bucket")
-        found[d] = a
-    return shape, found
 
 
 def _torch_cache_dir() -> str | None:

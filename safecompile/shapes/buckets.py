@@ -804,20 +804,22 @@ class Bucketer:
 
     def restored_cuts(self, plan: Plan, padded_out: object, saved: list[Any]) -> CutSpec:
         """The cut for ``plan.key`` from :meth:`CutSpec.saved` of an earlier process;
-        :class:`UnpadError` unless the output has exactly the tensors saved."""
-        nodes: dict[str, _TensorNode] = {}
-        for path, shape, cuts, contiguous in saved:
-            node = _TensorNode(
-                tuple(int(n) for n in shape),
-                tuple(int(d) for d, _ in cuts),
-                bool(contiguous),
-                tuple(int(a) for _, a in cuts),
-            )
-            if any(
-                node.shape[d] != plan.sizes[a] for d, a in zip(node.cuts, node.axes, strict=True)
-            ):
-                raise UnpadError(f"the saved cut of {_show(str(path))} does not fit {plan.label}")
-            nodes[str(path)] = node
+        :class:`UnpadError` unless it is well formed, fits the plan, and the output has
+        exactly the tensors saved."""
+        nodes = dict(_saved_node(plan, item) for item in saved)
+        padded = [
+            a for a, (size, n) in enumerate(zip(plan.sizes, plan.lengths, strict=True)) if n < size
+        ]
+        kept = {
+            a
+            for node in nodes.values()
+            for a in padded
+            for d, size in enumerate(node.shape)
+            if d not in node.cuts and size == plan.sizes[a]
+        }
+        if kept - {a for node in nodes.values() for a in node.axes}:
+            # pad rows of an axis it never cuts would reach the caller
+            raise UnpadError(f"the saved cut keeps padding of {plan.label} it never cuts")
 
         def restore(p: _Tensor, _: object, path: str) -> _Node:
             node = nodes.get(path)
@@ -917,6 +919,24 @@ def _replaced(
         else:
             new_kwargs[where] = value
     return tuple(new_args), new_kwargs
+
+
+def _saved_node(plan: Plan, item: Any) -> tuple[str, _TensorNode]:
+    """One tensor of a saved cut, once well formed: each cut a distinct dim of its padded
+    shape that holds its axis's size."""
+    path, shape, cuts, contiguous = item
+    if not isinstance(path, str) or not isinstance(contiguous, bool):
+        raise UnpadError("a saved cut's path is text and its contiguity a boolean")
+    if not isinstance(shape, list) or not all(type(n) is int and n >= 0 for n in shape):
+        raise UnpadError(f"the saved shape of {_show(path)} is not a list of sizes")
+    dims: dict[int, int] = {}
+    for d, a in cuts:
+        if type(d) is not int or type(a) is not int or not 0 <= d < len(shape) or d in dims:
+            raise UnpadError(f"saved cut dim {d!r} is not a distinct dim of shape {shape}")
+        if not 0 <= a < len(plan.sizes) or shape[d] != plan.sizes[a]:
+            raise UnpadError(f"the saved cut of {_show(path)} does not fit {plan.label}")
+        dims[d] = a
+    return path, _TensorNode(tuple(shape), tuple(dims), contiguous, tuple(dims.values()))
 
 
 def _key(key: tuple[Any, ...], declared: bool) -> tuple[Any, ...]:
