@@ -259,6 +259,7 @@ class CompileCheck:
     ) -> CompileReport:
         """:func:`assert_compiles` with this backend and output check."""
         target = _unwrap(fn)
+        name = getattr(target, "__qualname__", None) or type(target).__name__
         recorder = Recorder(torchcompat.lookup_backend(self.backend))
         compiled = compile_function(
             target, backend=recorder, dynamic=None, fullgraph=False, recompile_limit=64
@@ -266,9 +267,7 @@ class CompileCheck:
         try:
             out = compiled(*args, **kwargs)
         except Exception as exc:
-            raise AssertionError(
-                f"{_name(target)} failed to compile: {type(exc).__name__}: {exc}"
-            ) from exc
+            raise AssertionError(f"{name} failed to compile: {type(exc).__name__}: {exc}") from exc
         # each break once, though seen from the graph it ends and the one resuming after it
         breaks = dedupe_graph_breaks(b for graph in recorder.graphs for b in graph.breaks)
         if len(breaks) > max_graph_breaks:
@@ -277,7 +276,7 @@ class CompileCheck:
                 for b in breaks
             )
             raise AssertionError(
-                f"{_name(target)} has {len(breaks)} graph break(s), at most {max_graph_breaks} "
+                f"{name} has {len(breaks)} graph break(s), at most {max_graph_breaks} "
                 f"allowed:\n{lines}"
             )
         max_abs = max_rel = 0.0
@@ -285,9 +284,7 @@ class CompileCheck:
             expected = target(*args, **kwargs)
             result = compare(out, expected)
             if not result.ok:
-                raise AssertionError(
-                    f"{_name(target)} compiled differs from eager: {result.reason}"
-                )
+                raise AssertionError(f"{name} compiled differs from eager: {result.reason}")
             max_abs, max_rel = result.max_abs, result.max_rel
         return CompileReport(
             graphs=len(recorder.graphs),
@@ -325,7 +322,3 @@ def _unwrap(fn: Callable[..., Any]) -> Callable[..., Any]:
     if controller is not None:
         return controller._engine.fn  # type: ignore[no-any-return]
     return fn
-
-
-def _name(fn: Callable[..., Any]) -> str:
-    return str(getattr(fn, "__qualname__", None) or type(fn).__name__)

@@ -1,13 +1,7 @@
-"""The doctor's readiness report as one self-contained HTML page, with plots.
-
-The page reads top-down: the verdict, the checklist, latency per example shape (eager
-against compiled, p50 and p99), compile time per graph, recompiles over the shape sweep,
-graph breaks with ``file:line``, then settings and versions. Plots are PNG images made by
-matplotlib and embedded as base64 data URIs: the page loads no external asset.
-
-matplotlib is optional (the ``html`` extra) and imported here only, when a page is
-rendered; the text and JSON reports never need it. Every string that comes from the
-report (labels, messages, source lines, paths) is escaped.
+"""The readiness report as one self-contained HTML page: the verdict, the checklist, then a
+section (and a plot) per measure. Plots are PNGs embedded as data URIs; matplotlib (the
+``html`` extra) is imported only here, when a page is rendered. Every string from the
+report is escaped.
 """
 
 from __future__ import annotations

@@ -63,8 +63,7 @@ def _check_compile(r: Report) -> Check:
             lines,
         )
     compiled = [c for c in r.examples if c.path == "compiled"]
-    seconds = [c.seconds or 0.0 for c in r.examples]
-    total = math.fsum(seconds)
+    total = math.fsum(c.seconds or 0.0 for c in r.examples)
     lines = [
         f"{c.label}: {graphs(c.graphs)}, first call {secs(c.seconds)}"
         + (f" (backend {secs(c.backend_s)})" if c.graphs else "")
@@ -106,12 +105,12 @@ def _check_graph_breaks(r: Report) -> Check:
         )
     lines: list[str] = []
     for b in breaks:
-        lines.append(f"{where(b.get('file'), b.get('line'), b.get('function'))}")
+        lines.append(where(b.get("file"), b.get("line"), b.get("function")))
         if b.get("source"):
             lines.append(f"  {b.get('line')} | {b.get('source')}")
-        reason = message_lines(str(b.get("reason") or ""), 1)
-        hint = [m for m in message_lines(str(b.get("reason") or ""), 8) if m.startswith("Hint:")]
-        lines += [f"  reason: {m}" for m in reason] + [f"  {h}" for h in hint[:1]]
+        said = message_lines(str(b.get("reason") or ""), 8)
+        hint = [m for m in said if m.startswith("Hint:")]
+        lines += [f"  reason: {m}" for m in said[:1]] + [f"  {h}" for h in hint[:1]]
     n = len(breaks)
     if n == 0:
         return verdict(
@@ -332,11 +331,8 @@ def _check_drift(r: Report) -> Check:
             "Shadow(rtol=..., atol=...)",
             lines,
         )
-    tolerance = (
-        "per-dtype default tolerances"
-        if r.settings.get("rtol") is None
-        else f"rtol {r.settings.get('rtol')}"
-    )
+    rtol = r.settings.get("rtol")
+    tolerance = "per-dtype default tolerances" if rtol is None else f"rtol {rtol}"
     return verdict(
         "pass",
         f"{figures} over {len(compared)} call(s), within {tolerance}",

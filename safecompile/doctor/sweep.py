@@ -28,14 +28,7 @@ def sweep_calls(
         return [], "none: the first example has no tensor with a dim to vary"
     batch = sized[0].shape[0]
     plans = [(0, batch, _batch_sizes(batch), "leading (batch) dim")]
-    seq_src = next(
-        (
-            t
-            for t in sized
-            if (t.ndim >= 3 or (t.ndim == 2 and not t.is_floating_point())) and t.shape[1] > 0
-        ),
-        None,
-    )
+    seq_src = next(filter(_has_sequence_dim, sized), None)
     if seq_src is not None:
         seq = seq_src.shape[1]
         plans.append((1, seq, _seq_sizes(seq), "dim 1 (sequence)"))
@@ -56,6 +49,11 @@ def sweep_calls(
 def tensors(example: Example) -> list[torch.Tensor]:
     leaves, _ = pytree.tree_flatten((example.args, dict(example.kwargs)))
     return [t for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def _has_sequence_dim(t: torch.Tensor) -> bool:
+    """Dim 1 reads as a sequence: a 3-d (or more) tensor's, or token ids' and masks'."""
+    return (t.ndim >= 3 or (t.ndim == 2 and not t.is_floating_point())) and t.shape[1] > 0
 
 
 def _batch_sizes(n: int) -> list[int]:
