@@ -25,7 +25,7 @@ import torch
 from safecompile._version import __version__
 from safecompile.base.errors import ConfigError
 from safecompile.base.model import Event, EventKind, State
-from safecompile.base.policies import Buckets, Rollback
+from safecompile.base.policies import Rollback
 from safecompile.base.torchcompat import pytree
 from safecompile.checks.compare import compare
 from safecompile.checks.timing import LatencyWindow
@@ -76,6 +76,7 @@ def _unchecked(graphs: list[RecordedGraph]) -> tuple[str, ...]:
 class _Plan:
     """The target and settings, resolved."""
 
+    target: DoctorTarget  # buckets, rtol and atol are read from it as given
     call: Callable[..., Any]  # what is guarded: a function, or a module's bound forward
     kind: str
     name: str
@@ -84,11 +85,8 @@ class _Plan:
     options: Mapping[str, Any] | None
     dynamic: bool | None
     fullgraph: bool
-    buckets: Buckets | None
     examples: tuple[Example, ...]
     sweep: tuple[Example, ...] | None  # None: guess; (): none
-    rtol: float | None
-    atol: float | None
     thresholds: Thresholds
 
 
@@ -121,7 +119,7 @@ def diagnose(
             backend=recorder,
             dynamic=plan.dynamic,
             fullgraph=plan.fullgraph,
-            buckets=plan.buckets,
+            buckets=plan.target.buckets,
             shadow=None,
             rollback=Rollback(max_recompiles=plan.thresholds.max_recompiles, slower_ratio=None),
             name=plan.name,
@@ -138,9 +136,9 @@ def diagnose(
     # told progress (the CLI): a compile past ~2 s also shows "compiling ... 12 s" on a TTY
     shown = spinner() if progress is not None else contextlib.nullcontext()
     with torch.set_grad_enabled(settings.grad), shown:
-        calls = _run_examples(session, plan, say)
-        sweep, sweep_plan, stopped = _run_sweep(session, plan, settings, say)
-        timing = _run_timing(session, plan, settings, say)
+        calls = session.examples()
+        sweep, sweep_plan, stopped = session.sweep(settings)
+        timing = session.timing(settings)
 
     graphs = recorder.graphs
     breaks = dedupe_graph_breaks(b for g in graphs for b in g.breaks)
@@ -170,58 +168,6 @@ def diagnose(
     return dataclasses.replace(report, checks=judge(report))
 
 
-def _run_examples(session: _Session, plan: _Plan, say: Callable[[str], None]) -> list[Call]:
-    """Each example's first call, up to the first that fails to compile."""
-    calls: list[Call] = []
-    for i, example in enumerate(plan.examples):
-        label = example.label()
-        say(f"compiling example {i + 1}/{len(plan.examples)}: {label}")
-        calls.append(session.first_call(example, label, "example"))
-        if session.failed():
-            break
-    return calls
-
-
-def _run_sweep(
-    session: _Session, plan: _Plan, settings: Settings, say: Callable[[str], None]
-) -> tuple[list[Call], str, str | None]:
-    """The sweep's first calls, what it varied (or why there was none), and why it
-    stopped early (``None``: it did not)."""
-    if settings.quick:
-        return [], "skipped (--quick)", None
-    if session.failed():
-        return [], "skipped: a compile failed", None
-    sweep: list[Call] = []
-    stopped: str | None = None
-    shapes, sweep_plan = sweep_calls(plan.sweep, plan.examples)
-    for i, (label, example) in enumerate(shapes):
-        say(f"sweep {i + 1}/{len(shapes)}: {label}")
-        call = session.first_call(example, label, "sweep")
-        sweep.append(call)
-        if session.failed():
-            stopped = "stopped: a compile failed"
-            break
-        if call.path == "eager" and session.limit_hit:
-            left = len(shapes) - i - 1
-            if left:
-                stopped = f"stopped at the recompile limit ({left} more shape(s) would run eager)"
-            break
-    return sweep, sweep_plan, stopped
-
-
-def _run_timing(
-    session: _Session, plan: _Plan, settings: Settings, say: Callable[[str], None]
-) -> list[Timing]:
-    """Compiled against eager timings of the first examples (none when quick or failed)."""
-    timing: list[Timing] = []
-    if not settings.quick and session.failure is None:
-        for i, example in enumerate(plan.examples[:_MAX_TIMED]):
-            label = example.label()
-            say(f"timing example {i + 1}: {label} ({settings.repeat} samples)")
-            timing.append(session.time(example, label, settings.repeat))
-    return timing
-
-
 def _report_settings(plan: _Plan, settings: Settings) -> dict[str, Any]:
     """The settings the doctor ran with, as the report shows them."""
     return {
@@ -230,11 +176,11 @@ def _report_settings(plan: _Plan, settings: Settings) -> dict[str, Any]:
         "options": dict(plan.options) if plan.options else None,
         "dynamic": {None: "auto", True: "true", False: "false"}[plan.dynamic],
         "fullgraph": plan.fullgraph,
-        "buckets": repr(plan.buckets) if plan.buckets is not None else None,
+        "buckets": repr(plan.target.buckets) if plan.target.buckets is not None else None,
         "grad": settings.grad,
         "repeat": settings.repeat,
-        "rtol": plan.rtol,
-        "atol": plan.atol,
+        "rtol": plan.target.rtol,
+        "atol": plan.target.atol,
         "examples": len(plan.examples),
     }
 
@@ -268,6 +214,7 @@ def _plan(target: DoctorTarget, settings: Settings) -> _Plan:
     limit = settings.max_recompiles or target.max_recompiles or DEFAULT_LIMIT
     sweep = parse_sweep(target.sweep)  # parsed before the inputs: same error first
     return _Plan(
+        target=target,
         call=call,
         kind=kind,
         name=name,
@@ -276,11 +223,8 @@ def _plan(target: DoctorTarget, settings: Settings) -> _Plan:
         options=options,
         dynamic=dynamic,
         fullgraph=fullgraph,
-        buckets=target.buckets,
         examples=parse_inputs(target.inputs, "inputs"),
         sweep=sweep,
-        rtol=target.rtol,
-        atol=target.atol,
         thresholds=Thresholds(
             max_graph_breaks=settings.max_graph_breaks,
             max_recompiles=limit,
@@ -321,7 +265,8 @@ def _made_with(controller: Any) -> dict[str, Any]:
 
 
 class _Session:
-    """One guarded callable, its eager twin, and what has gone wrong so far."""
+    """One guarded callable and its eager twin: runs the examples, the sweep and the timing,
+    and keeps what has gone wrong so far."""
 
     def __init__(
         self, guarded: Any, plan: _Plan, recorder: Recorder, say: Callable[[str], None]
@@ -339,6 +284,51 @@ class _Session:
     def failed(self) -> bool:
         """Whether the compiled path has failed (the rest of the checks are moot)."""
         return self.failure is not None
+
+    def examples(self) -> list[Call]:
+        """Each example's first call, up to the first that fails to compile."""
+        calls: list[Call] = []
+        for i, example in enumerate(self.plan.examples):
+            label = example.label()
+            self.say(f"compiling example {i + 1}/{len(self.plan.examples)}: {label}")
+            calls.append(self.first_call(example, label, "example"))
+            if self.failed():
+                break
+        return calls
+
+    def sweep(self, settings: Settings) -> tuple[list[Call], str, str | None]:
+        """The sweep's first calls, what it varied (or why there was none), and why it
+        stopped early (``None``: it did not)."""
+        if settings.quick:
+            return [], "skipped (--quick)", None
+        if self.failed():
+            return [], "skipped: a compile failed", None
+        sweep: list[Call] = []
+        stopped: str | None = None
+        shapes, sweep_plan = sweep_calls(self.plan.sweep, self.plan.examples)
+        for i, (label, example) in enumerate(shapes):
+            self.say(f"sweep {i + 1}/{len(shapes)}: {label}")
+            call = self.first_call(example, label, "sweep")
+            sweep.append(call)
+            if self.failed():
+                stopped = "stopped: a compile failed"
+                break
+            if call.path == "eager" and self.limit_hit:
+                left = len(shapes) - i - 1
+                more = f"{left} more shape(s) would run eager"
+                stopped = f"stopped at the recompile limit ({more})" if left else None
+                break
+        return sweep, sweep_plan, stopped
+
+    def timing(self, settings: Settings) -> list[Timing]:
+        """Compiled against eager timings of the first examples (none when quick or failed)."""
+        timing: list[Timing] = []
+        if not settings.quick and self.failure is None:
+            for i, example in enumerate(self.plan.examples[:_MAX_TIMED]):
+                label = example.label()
+                self.say(f"timing example {i + 1}: {label} ({settings.repeat} samples)")
+                timing.append(self.time(example, label, settings.repeat))
+        return timing
 
     def first_call(self, example: Example, label: str, role: Literal["example", "sweep"]) -> Call:
         """Call a new shape through the guarded callable, then eager, and compare."""
@@ -390,7 +380,8 @@ class _Session:
             note = "past the recompile limit: runs eager" if limit else "ran eager"
             return dataclasses.replace(call, path="eager", note=note)
         args, kwargs = _cloned(example)
-        result = compare(out, self.eager(*args, **kwargs), rtol=self.plan.rtol, atol=self.plan.atol)
+        expected = self.eager(*args, **kwargs)
+        result = compare(out, expected, rtol=self.plan.target.rtol, atol=self.plan.target.atol)
         return dataclasses.replace(
             call, max_abs=result.max_abs, max_rel=result.max_rel, drift=result.reason
         )
