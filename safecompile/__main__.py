@@ -1,10 +1,8 @@
 """The command line: ``python -m safecompile doctor MODULE:FACTORY`` (or ``safecompile doctor``).
 
-Exit codes: 0 ready, 1 not ready, 2 usage error (bad flags, MODULE:FACTORY that does not
-import or call, a bad return value, example inputs that fail in eager, ``--html`` without
-matplotlib), 3 the doctor itself crashed (a bug in safecompile: please report it with the
-traceback). A usage error is one line on stderr (``--traceback`` adds the traceback of the
-user's own code, where it raised).
+A usage error (exit 2: bad flags, a factory that does not import, call or return a target,
+inputs that fail in eager, ``--html`` without matplotlib) is one line on stderr; exit 3 is a
+bug in safecompile, with its traceback.
 """
 
 from __future__ import annotations
