@@ -1,11 +1,8 @@
-"""The decorator's options, declared once, as a record every layer may read.
+"""The decorator's options, declared once (:class:`Options`), as a record every layer reads.
 
-:class:`Options` is the one place an option of ``safe_compile`` is spelled: its name,
-type and default. From it derive the decorator's keyword signature (a test compares
-them), the unknown-option check with its did-you-mean, the checks that need no layer
-above this one (the decorator adds torch's own and the process group's), the key of
-persisted verdicts (:meth:`Options.verdict_key`), and the table in
-docs/configuration.md (a test compares it with the fields).
+From it derive the decorator's signature and the table in docs/configuration.md (tests
+compare both), the unknown-option check, the checks that need no layer above this one,
+and the key of persisted verdicts (:meth:`Options.verdict_key`).
 """
 
 from __future__ import annotations
@@ -139,7 +136,6 @@ def _check_policy(name: str, value: object, kind: type) -> None:
 
 
 def _check_clock(clock: object) -> None:
-    """A clock must be callable and return finite seconds (read once, here)."""
     if not callable(clock):
         raise ConfigError("safe_compile(clock=...) must be a callable returning seconds")
     try:

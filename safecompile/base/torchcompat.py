@@ -30,7 +30,6 @@ import torch
 from torch.utils import _pytree as pytree
 
 __all__ = [
-    "CACHE_SETTINGS",
     "DYNAMIC_MARKS",
     "FAKE_TENSOR_LOGGER",
     "NEW_GLOBAL",
@@ -337,8 +336,7 @@ def source_value(source: Any, closure: dict[str, Any], scope: dict[str, Any], ca
     get = getattr(source, "get_value", None)
     if get is None:
         return Missing(
-            "torch._guards.Source.get_value",
-            "a call updating a Python object is not checked",
+            "torch._guards.Source.get_value", "a call updating a Python object is not checked"
         )
     return get(closure, scope, cache)
 
@@ -385,8 +383,9 @@ def close_symbolic_trace_window() -> Missing | None:
 
 
 def dynamo_dir() -> str:
-    """The directory of dynamo's own source files. checked: 2.9.1, 2.13.0"""
-    return os.path.join(os.path.dirname(torch.__file__), "_dynamo")
+    """The directory of dynamo's own source files, ending in a separator.
+    checked: 2.9.1, 2.13.0"""
+    return os.path.join(os.path.dirname(torch.__file__), "_dynamo", "")
 
 
 # ---------------------------------------------------------------- torch's caches
@@ -405,13 +404,6 @@ REMOTE_CACHE_FLAGS: tuple[tuple[str, str, str], ...] = (
     ("TORCHINDUCTOR_AUTOTUNE_REMOTE_CACHE", "torch._inductor.config", "autotune_remote_cache"),
 )
 
-#: What :func:`config_settings` reads for reports. checked: 2.9.1, 2.13.0
-CACHE_SETTINGS: dict[str, str] = {
-    "fx_graph_cache": "torch._inductor.config.fx_graph_cache",
-    "autograd_cache": "torch._functorch.config.enable_autograd_cache",
-    "force_disable_caches": "torch._inductor.config.force_disable_caches",
-}
-
 #: The logger of torch's fake tensors ("failed while attempting to run meta").
 #: checked: 2.9.1, 2.13.0
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
@@ -426,8 +418,13 @@ def config_entry(module_name: str, attr: str) -> Any:
 
 
 def config_settings() -> dict[str, Any]:
-    """``{key: value}`` of :data:`CACHE_SETTINGS` (``None`` where this torch lacks one)."""
-    return {key: lookup(dotted) for key, dotted in CACHE_SETTINGS.items()}
+    """torch's cache settings for reports (``None`` where this torch lacks one).
+    checked: 2.9.1, 2.13.0"""
+    return {
+        "fx_graph_cache": lookup("torch._inductor.config.fx_graph_cache"),
+        "autograd_cache": lookup("torch._functorch.config.enable_autograd_cache"),
+        "force_disable_caches": lookup("torch._inductor.config.force_disable_caches"),
+    }
 
 
 def drop_local_cache_path() -> None:

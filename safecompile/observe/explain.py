@@ -129,8 +129,7 @@ def explain(error: BaseException, location: SourceLocation | None = None) -> Exp
             "use Buckets or dynamic=True",
         )
     gb_type = next(
-        (g for e in chain if isinstance(g := getattr(e, "gb_type", None), str) and g),
-        None,
+        (g for e in chain if isinstance(g := getattr(e, "gb_type", None), str) and g), None
     )
     if gb_type is not None:
         builtin = _BUILTIN.search(texts)

@@ -353,18 +353,13 @@ def _backend_node_location(inner: BaseException) -> SourceLocation | None:
         # Otherwise: the innermost frame of the backend's own that holds the node it was
         # working on (dynamo's frames hold the output node and placeholders: skipped).
         for frame, _ in reversed(list(traceback.walk_tb(exc.__traceback__))):
-            if frame.f_code.co_filename.startswith(_dynamo_dir()):
+            if frame.f_code.co_filename.startswith(torchcompat.dynamo_dir()):
                 continue
             for name in ("n", "node"):
                 found = _node_location(frame.f_locals.get(name))
                 if found is not None:
                     return found
     return None
-
-
-@functools.cache
-def _dynamo_dir() -> str:
-    return torchcompat.dynamo_dir() + os.sep
 
 
 def _runtime_order(exc: BaseException) -> list[BaseException]:

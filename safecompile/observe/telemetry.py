@@ -476,12 +476,7 @@ class Telemetry:
         _guarded("safecompile.shadow.checks", self._shadow_metrics, result, max_rel)
         if log_span or not passed:
             _guarded(
-                "safecompile.shadow_check span",
-                self._shadow_span,
-                result,
-                max_abs,
-                max_rel,
-                bucket,
+                "safecompile.shadow_check span", self._shadow_span, result, max_abs, max_rel, bucket
             )
 
     def _shadow_metrics(self, result: str, max_rel: float) -> None:
@@ -529,9 +524,7 @@ class Telemetry:
         _guarded("Telemetry.observe_calls", self._observe_calls, source, graphs)
 
     def _observe_calls(
-        self,
-        source: Callable[[], tuple[int, int]],
-        graphs: Callable[[], Mapping[str, int]] | None,
+        self, source: Callable[[], tuple[int, int]], graphs: Callable[[], Mapping[str, int]] | None
     ) -> None:
         self.close()
         self._calls = _CallsEntry(self, source, graphs)
