@@ -19,6 +19,7 @@ import math
 import threading
 import time
 import weakref
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -120,7 +121,8 @@ class _Instruments:
             description="Largest relative difference from eager found by a shadow check.",
             explicit_bucket_boundaries_advisory=_DRIFT_BUCKETS,
         )
-        self.retired: dict[str, list[int]] = {}  # counts of callables gone, per function
+        # (function, path) -> calls of callables gone
+        self.retired: Counter[tuple[str, str]] = Counter()
         self.calls = meter.create_observable_counter(
             "safecompile.calls",
             callbacks=[lambda _: _guarded("safecompile.calls", self._calls) or []],
@@ -135,30 +137,26 @@ class _Instruments:
         )
 
     def _graphs(self) -> list[Observation]:
-        totals: dict[tuple[str, str], int] = {}
+        totals: Counter[tuple[str, str]] = Counter()
         for entry in _calls_registry.entries():
             for check, n in (entry.read_graphs(self) or {}).items():
-                key = (entry.function, check)
-                totals[key] = totals.get(key, 0) + int(n)
-        return [
-            Observation(n, {"safecompile.function": f, "safecompile.check": check})
-            for (f, check), n in totals.items()
-        ]
+                totals[entry.function, check] += int(n)
+        return _observations(totals, "safecompile.check")
 
     def _calls(self) -> list[Observation]:
         entries = _calls_registry.entries()  # first: it retires the callables gone
-        totals = {function: list(counts) for function, counts in list(self.retired.items())}
+        totals = Counter(self.retired)
         for entry in entries:
             counts = entry.read(self)
             if counts is not None:
-                total = totals.setdefault(entry.function, [0, 0])
-                total[0] += counts[0]
-                total[1] += counts[1]
-        return [
-            Observation(n, {"safecompile.function": function, "safecompile.path": path})
-            for function, counts in totals.items()
-            for path, n in zip(("compiled", "eager"), counts, strict=True)
-        ]
+                totals[entry.function, "compiled"] += counts[0]
+                totals[entry.function, "eager"] += counts[1]
+        return _observations(totals, "safecompile.path")
+
+
+def _observations(totals: Counter[tuple[str, str]], label: str) -> list[Observation]:
+    """One observation per (function, ``label``'s value)."""
+    return [Observation(n, {"safecompile.function": f, label: v}) for (f, v), n in totals.items()]
 
 
 # Instruments per meter provider (an SDK meter ignores a second callback on a name).
@@ -233,9 +231,8 @@ class _CallsEntry:
         """Fold the last counts into the totals, so the counter never goes down."""
         instruments = self.last_instruments
         if instruments is not None and self.last != (0, 0):
-            total = instruments.retired.setdefault(self.function, [0, 0])
-            total[0] += self.last[0]
-            total[1] += self.last[1]
+            instruments.retired[self.function, "compiled"] += self.last[0]
+            instruments.retired[self.function, "eager"] += self.last[1]
 
 
 def _weak(fn: Callable[..., _R]) -> weakref.ref[Callable[..., _R]]:
@@ -294,13 +291,9 @@ def _code_attributes(file: str | None, line: int | None, function: str | None) -
 
 
 class Telemetry:
-    """Traces, metrics and logs for one guarded callable.
-
-    ``function`` is its stable name (``safecompile.function`` on every span and metric),
-    ``backend`` the backend's name (or the backend callable). Providers default to those
-    set by :func:`configure`, then to OpenTelemetry's globals; they are looked up again
-    after each ``configure()``.
-    """
+    """Traces, metrics and logs for one guarded callable, named ``function`` (its
+    ``safecompile.function``). Providers default to those :func:`configure` set, then to
+    OpenTelemetry's globals, and are looked up again after each ``configure()``."""
 
     def __init__(
         self,
@@ -321,8 +314,6 @@ class Telemetry:
         self._instruments_for: tuple[int, _Instruments] | None = None
         self._calls: _CallsEntry | None = None
 
-    # ------------------------------------------------------------------ providers
-
     def _tracer(self) -> trace.Tracer:
         generation, provider, _ = _defaults
         cached = self._tracer_for
@@ -341,8 +332,6 @@ class Telemetry:
         instruments = _instruments_of(self._meter_provider or provider)
         self._instruments_for = (generation, instruments)
         return instruments
-
-    # ------------------------------------------------------------------ events
 
     def event(self, ev: Event) -> None:
         """Send one event to every sink: span and metrics where its kind has them, a log."""
@@ -456,8 +445,6 @@ class Telemetry:
             f"safecompile.{ev.kind.value}", level=level, span=valid_span, **_log_fields(self, ev)
         )
 
-    # ------------------------------------------------------------------ shadow checks
-
     def shadow_check(
         self,
         *,
@@ -503,24 +490,17 @@ class Telemetry:
         now = time.time_ns()
         self._span("safecompile.shadow_check", now, now, fill)
 
-    # ------------------------------------------------------------------ call counts
-
     def observe_calls(
         self,
         source: Callable[[], tuple[int, int]],
         graphs: Callable[[], Mapping[str, int]] | None = None,
     ) -> None:
-        """Report ``source()`` = ``(compiled_calls, eager_calls)`` as ``safecompile.calls``,
-        and ``graphs()`` (graphs by check: ``checked``, ``unchecked``, ``not_yet``) as the
-        gauge ``safecompile.graphs``.
-
-        Read only when a metric reader collects: nothing on the call path. Both are held
-        weakly (a bound method through ``weakref.WeakMethod``): once one, or this
-        ``Telemetry``, is garbage collected, its counts stop being read (the last counts
-        read stay in the totals, so the counter never goes down). Pass a bound method of
-        the object whose life bounds the callable's; a lambda would vanish at once. A
-        second call replaces the first source.
-        """
+        """Report ``source()`` = ``(compiled_calls, eager_calls)`` as ``safecompile.calls``
+        and ``graphs()`` (graphs by check) as ``safecompile.graphs``, read only when a metric
+        reader collects. Both are held weakly: pass bound methods of the object whose life
+        bounds the callable's. Once one, or this ``Telemetry``, is collected, the last counts
+        read stay in the totals (the counter never goes down). A second call replaces the
+        first."""
         _guarded("Telemetry.observe_calls", self._observe_calls, source, graphs)
 
     def _observe_calls(
