@@ -270,10 +270,7 @@ class Buckets:
         object.__setattr__(self, "dims", dims)
         axes = self._check_sizes(dims, named)
         object.__setattr__(self, "axes", axes)
-        if named:
-            sizes: Any = FrozenMap({a.name: a.sizes for a in axes})
-        else:
-            sizes = axes[0].sizes
+        sizes = FrozenMap({a.name: a.sizes for a in axes}) if named else axes[0].sizes
         object.__setattr__(self, "sizes", sizes)
         self._check_pad_value(dims)
         _check_choice("Buckets", "strategy", self.strategy, ("auto", "pad", "dynamic"))
@@ -315,23 +312,16 @@ class Buckets:
 
     def _check_sizes(self, dims: Mapping[str, Any], named: bool) -> tuple[Axis, ...]:
         """One :class:`Axis` per independent length, in ``sizes`` order."""
-        hint = "(pow2(lo, hi) makes one)"
-        if not named:
-            if isinstance(self.sizes, Mapping):
-                raise ConfigError(
-                    "Buckets(sizes=...) maps axis names to sizes, but dims names no axes: "
-                    "name them, e.g. dims={'x': {0: 'batch', 1: 'seq'}}, or give sizes as one "
-                    "sequence"
-                )
-            sizes = _sizes_or_none(self.sizes)
-            if sizes is None:
-                raise ConfigError(
-                    "Buckets(sizes=...) must be a non-empty, strictly increasing sequence of "
-                    f"positive ints {hint}, got {self.sizes!r}"
-                )
-            return (Axis(None, sizes),)
-        used = list(dict.fromkeys(a for v in dims.values() for a in v.values()))
-        given = self.sizes
+        given: Any = self.sizes  # checked here: callers may pass anything
+        if not named and isinstance(given, Mapping):
+            raise ConfigError(
+                "Buckets(sizes=...) maps axis names to sizes, but dims names no axes: "
+                "name them, e.g. dims={'x': {0: 'batch', 1: 'seq'}}, or give sizes as one "
+                "sequence"
+            )
+        used: list[str | None] = [None]  # the one unnamed length
+        if named:
+            used = list(dict.fromkeys(a for v in dims.values() for a in v.values()))
         if not isinstance(given, Mapping):
             if len(used) > 1:
                 raise ConfigError(
@@ -353,9 +343,10 @@ class Buckets:
         for name, value in given.items():
             sizes = _sizes_or_none(value)
             if sizes is None:
+                where = f" for axis {name!r}" if name is not None else ""
                 raise ConfigError(
-                    f"Buckets(sizes=...) for axis {name!r} must be a non-empty, strictly "
-                    f"increasing sequence of positive ints {hint}, got {value!r}"
+                    f"Buckets(sizes=...){where} must be a non-empty, strictly increasing "
+                    f"sequence of positive ints (pow2(lo, hi) makes one), got {value!r}"
                 )
             axes.append(Axis(name, sizes))
         return tuple(axes)
