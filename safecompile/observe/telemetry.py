@@ -70,10 +70,9 @@ def _guarded(where: str, fn: Callable[..., _R], *args: Any) -> _R | None:
 # ---------------------------------------------------------------------------- configuration
 
 
-# (generation, tracer provider, meter provider) that configure() set; None: OpenTelemetry's
-# globals. Replaced whole, so a reader never sees half of one configure().
-_defaults: tuple[int, trace.TracerProvider | None, metrics.MeterProvider | None] = (0, None, None)
-_configure_lock = threading.Lock()
+# (tracer provider, meter provider) that configure() set; None: OpenTelemetry's globals.
+# Replaced whole, so a reader never sees half of one configure().
+_defaults: tuple[trace.TracerProvider | None, metrics.MeterProvider | None] = (None, None)
 
 
 def configure(
@@ -88,8 +87,7 @@ def configure(
     providers are never set.
     """
     global _defaults
-    with _configure_lock:
-        _defaults = (_defaults[0] + 1, tracer_provider, meter_provider)
+    _defaults = (tracer_provider, meter_provider)
 
 
 # ---------------------------------------------------------------------------- instruments
@@ -307,31 +305,16 @@ class Telemetry:
         self.backend = backend_name(backend)
         self._tracer_provider = tracer_provider
         self._meter_provider = meter_provider
-        # (configure() generation, tracer) and (generation, instruments): each replaced
-        # whole, so the metric reader's thread never sees a half-updated pair, and each
-        # resolved on its own, so a broken meter provider does not cost the spans.
-        self._tracer_for: tuple[int, trace.Tracer] | None = None
-        self._instruments_for: tuple[int, _Instruments] | None = None
         self._calls: _CallsEntry | None = None
 
+    # Looked up at each use (events are rare), each on its own: a broken meter provider
+    # does not cost the spans.
     def _tracer(self) -> trace.Tracer:
-        generation, provider, _ = _defaults
-        cached = self._tracer_for
-        if cached is not None and cached[0] == generation:
-            return cached[1]
-        provider = self._tracer_provider or provider
-        tracer = trace.get_tracer(_SCOPE, __version__, provider, schema_url=SCHEMA_URL)
-        self._tracer_for = (generation, tracer)
-        return tracer
+        provider = self._tracer_provider or _defaults[0]
+        return trace.get_tracer(_SCOPE, __version__, provider, schema_url=SCHEMA_URL)
 
     def _instruments(self) -> _Instruments:
-        generation, _, provider = _defaults
-        cached = self._instruments_for
-        if cached is not None and cached[0] == generation:
-            return cached[1]
-        instruments = _instruments_of(self._meter_provider or provider)
-        self._instruments_for = (generation, instruments)
-        return instruments
+        return _instruments_of(self._meter_provider or _defaults[1])
 
     def event(self, ev: Event) -> None:
         """Send one event to every sink: span and metrics where its kind has them, a log."""
