@@ -86,16 +86,9 @@ _GLOB = frozenset("*?[")
 def doubts(
     value: str | bytes | None, names: Iterable[str], *, unmatched: bool = False
 ) -> list[tuple[str, str]]:
-    """What in a ``SAFECOMPILE_DISABLE`` value looks like a mistake: ``(pattern,
-    sentence)`` for each doubtful pattern.
-
-    ``names`` are the guarded names known now. Doubted: a separator other than a comma
-    (``ranker.*;embed.*``); a bare word (no dot, no glob) that is neither a boolean nor a
-    guarded name (``maybe``, ``2``, ``y``, ``disable``); a pattern that matches no guarded
-    name but would if case were ignored (``Ranker.*``); with ``unmatched``, any other
-    pattern that matches no guarded name (``rankr.*``), which is asked only once the
-    application's guards are built (at a guard's first compiled call), not at each build.
-    """
+    """``(pattern, sentence)`` for each pattern of a ``SAFECOMPILE_DISABLE`` value that
+    matches none of ``names`` and looks like a mistake; with ``unmatched``, every such
+    pattern (asked only once the application's guards are built)."""
     if value is None:
         return []
     text = _text(value).strip()
@@ -137,9 +130,8 @@ def _doubt(pattern: str, known: tuple[str, ...], *, unmatched: bool) -> str | No
 
 
 class _CodeSwitch:
-    """What ``disable()`` / ``enable()`` set from code, and what the fleet's watched source
-    says (``watched``, see :mod:`safecompile.fleet.switch`); a generation number marks
-    changes. Also the guarded names built so far and the doubts already warned about."""
+    """What ``disable()`` / ``enable()`` and the fleet's watched source say (a generation
+    number marks changes), the guarded names built so far and the doubts warned about."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()

@@ -95,12 +95,9 @@ def _safe_key(key: str) -> str:
 def log_event(
     event: str, *, level: int = logging.INFO, span: trace.Span | None = None, **fields: Any
 ) -> None:
-    """Log one structured event; never raises.
-
-    ``trace_id`` / ``span_id`` are added from ``span`` (or the current span) when valid.
-    Fields whose names clash with ``logging.LogRecord`` attributes get a ``safecompile_``
-    prefix, so the same keys arrive through structlog and through stdlib ``extra``.
-    """
+    """Log one structured event with ``span``'s (or the current span's) ids; never raises.
+    Fields named like ``LogRecord`` attributes get a ``safecompile_`` prefix, so the same
+    keys arrive through structlog and through stdlib ``extra``."""
     try:
         payload = {_safe_key(k): v for k, v in fields.items()}
         payload.update(_trace_ids(span))
@@ -133,12 +130,8 @@ def _figure(value: object) -> str | None:
 
 
 def readable_line(event: str, fields: Mapping[str, Any], limit: int = LINE_LIMIT) -> str:
-    """One line a person reads: ``kind function [figures]: description (at file:line)``.
-
-    ``kind`` is the event without its ``safecompile.`` prefix (the logger's name says
-    it). No newline, at most ``limit`` characters; figures rounded (``0.459 s``). The
-    raw error text (``error_message``) is never part of it: it stays a field of its own.
-    """
+    """One line a person reads: ``kind function [figures]: description (at file:line)``,
+    at most ``limit`` characters; torch's raw text (``error_message``) stays a field."""
     kind = event.removeprefix(f"{LOGGER_NAME}.")
     figures = []
     reason = fields.get("reason")
@@ -168,10 +161,8 @@ def readable_line(event: str, fields: Mapping[str, Any], limit: int = LINE_LIMIT
 
 
 def report_internal_error(where: str, exc: BaseException) -> None:
-    """Report a failure inside safecompile's own telemetry, once per place and type.
-
-    Goes to the stdlib logger only (no structlog: it may be what failed); never raises.
-    """
+    """Report a failure inside safecompile's own telemetry, once per place and type, to
+    the stdlib logger only (structlog may be what failed); never raises."""
     try:
         if not _reported.first((where, type(exc).__qualname__)):
             return

@@ -393,14 +393,8 @@ def _runtime_location(exc: BaseException) -> tuple[SourceLocation | None, str | 
                     return node, generated
             elif is_user_file(filename):
                 if generated is None:  # user code called from generated code: keep both
-                    generated = next(
-                        (
-                            outer.f_code.co_filename
-                            for outer, _ in candidates
-                            if is_generated_file(outer.f_code.co_filename)
-                        ),
-                        None,
-                    )
+                    files = (outer.f_code.co_filename for outer, _ in candidates)
+                    generated = next((f for f in files if is_generated_file(f)), None)
                 return _frame_location(frame, lineno), generated
     return None, generated
 
