@@ -27,13 +27,8 @@ def _check(
 
 def judge(report: Report) -> tuple[Check, ...]:
     """The checks, from a report's measurements and thresholds (pure)."""
-    return (
-        _check_compile(report),
-        _check_graph_breaks(report),
-        _check_recompiles(report),
-        _check_speed(report),
-        _check_drift(report),
-    )
+    checks = (_check_compile, _check_graph_breaks, _check_recompiles, _check_speed, _check_drift)
+    return tuple(check(report) for check in checks)
 
 
 def _check_compile(r: Report) -> Check:
