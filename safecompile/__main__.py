@@ -45,13 +45,11 @@ def _number(
     """An argparse ``type``: the text converted, refused unless ``ok`` (``rule`` says why)."""
 
     def parse(text: str) -> _N:
-        try:
+        with contextlib.suppress(ValueError):
             value = convert(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {rule}, got {text!r}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {rule}, got {text!r}")
-        return value
+            if ok(value):
+                return value
+        raise argparse.ArgumentTypeError(f"expected {rule}, got {text!r}")
 
     return parse
 
