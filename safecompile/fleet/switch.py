@@ -20,6 +20,7 @@ import urllib.parse
 from pathlib import Path
 
 from safecompile.base import killswitch as ks
+from safecompile.base.forks import in_forked_child
 from safecompile.observe.log import Once, log_event
 from safecompile.persist.bounded import read_file
 from safecompile.persist.remote import RedisLink, RemoteUnavailableError, parse_url, redacted
@@ -258,13 +259,10 @@ class Watcher:
 WATCHER = Watcher()
 
 
-def _after_fork_in_child() -> None:
+@in_forked_child
+def _fresh_watcher() -> None:
     ks.SWITCH.lock = threading.Lock()  # set_watched() may have held it at the fork
     WATCHER.after_fork_in_child()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def watch() -> None:

@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from safecompile.base.forks import in_forked_child
+
 __all__ = ["READ_TIMEOUT_S", "ReadTimeoutError", "bounded", "read_file"]
 
 T = TypeVar("T")
@@ -95,12 +97,8 @@ def _read(name: str, limit: int) -> bytes | None:
         os.close(fd)
 
 
-def _after_fork_in_child() -> None:
-    """A fork copies the set but not the threads reading: nothing is in flight here."""
-    global _lock  # a lock another thread held at the fork stays held for good
+@in_forked_child
+def _nothing_in_flight() -> None:
+    global _lock
     _lock = threading.Lock()
-    _stuck.clear()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+    _stuck.clear()  # the threads reading did not fork along

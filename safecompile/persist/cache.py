@@ -39,6 +39,7 @@ import torch
 
 from safecompile._version import __version__
 from safecompile.base import torchcompat
+from safecompile.base.forks import in_forked_child
 
 from .bounded import bounded, read_file
 from .remote import RemoteVerdicts, remote_verdicts
@@ -676,13 +677,10 @@ def _write_atomic(path: Path, data: bytes) -> bool:
                 os.unlink(tmp)
 
 
-def _after_fork_in_child() -> None:
-    global _lock  # a lock another thread held at the fork stays held for good
+@in_forked_child
+def _fresh_lock() -> None:
+    global _lock
     _lock = threading.Lock()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 # ---------------------------------------------------------------- torch's caches

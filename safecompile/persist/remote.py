@@ -24,6 +24,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from safecompile.base import torchcompat
+from safecompile.base.forks import in_forked_child
 from safecompile.base.options import Clock
 from safecompile.observe.log import Once, log_event, torch_missing
 
@@ -388,16 +389,12 @@ def reset() -> None:
         step()
 
 
-def _after_fork_in_child() -> None:
-    """A lock some thread held at the fork would stay held in the child for good."""
+@in_forked_child
+def _fresh_locks() -> None:
     global _lock
     _lock = threading.Lock()
     for link in list(_every_link):
         link._after_fork()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def use_torch_remote_caches(link: RedisLink, key: Signer) -> list[str]:
