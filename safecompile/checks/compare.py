@@ -1,12 +1,9 @@
 """Compare a compiled output with eager's reference, whatever its structure.
 
-A floating-point tensor is judged against its own magnitude, never elementwise-relative
-(meaningless near zero): its normalised error, its scale error (a systematic drift such
-as ``out * 1.01``) and its peak error (a few badly wrong elements, which a norm averages
-away) must each stay within a multiple of ``rtol``. :func:`verdict` has the formulas,
-``docs/tolerances.md`` the measurements behind the per-dtype defaults. Messages name
-paths, shapes, dtypes, devices, counts and figures of difference, never a value from
-the user's tensors or objects.
+A float tensor is judged against its own magnitude (:func:`verdict`), never elementwise
+(meaningless near zero); ``docs/tolerances.md`` has the criterion and the measurements
+behind the per-dtype defaults. Messages name paths, shapes, dtypes, devices, counts and
+figures of difference, never a value from the user's tensors or objects.
 """
 
 from __future__ import annotations
@@ -73,13 +70,10 @@ _NON_FINITE = (
 
 @dataclass(frozen=True, slots=True)
 class Comparison:
-    """The verdict of :func:`compare`.
-
-    ``max_abs`` is the largest absolute difference over the finite compared elements
-    (0.0 if none); ``max_rel`` the largest normalised error over the leaves (``inf`` for a
-    NaN/Inf or structure breach); ``reason`` says why when not ``ok``, naming the path;
-    ``leaves`` counts the tensors compared.
-    """
+    """The verdict of :func:`compare`: ``max_abs`` is the largest absolute difference over
+    the finite compared elements (0.0 if none); ``max_rel`` the largest normalised error over
+    the leaves (``inf`` for a NaN/Inf or structure breach); ``reason`` says why when not
+    ``ok``, naming the path; ``leaves`` counts the tensors compared."""
 
     ok: bool
     max_abs: float
@@ -89,12 +83,9 @@ class Comparison:
 
 
 def default_tolerances(dtype: torch.dtype, *, tf32: bool = False) -> tuple[float, float]:
-    """The default ``(rtol, atol)`` for tensors of ``dtype``.
-
-    ``tf32=True`` gives the looser figures for float32 math done in TF32 (CUDA matmuls or
-    convolutions with TF32 allowed). Complex dtypes take their components' figures;
-    integer and bool dtypes compare exactly, ``(0.0, 0.0)``.
-    """
+    """The default ``(rtol, atol)`` for tensors of ``dtype``: looser for float32 math done in
+    TF32 (``tf32=True``: CUDA matmuls or convolutions with TF32 allowed), a complex dtype's
+    components' figures, and ``(0.0, 0.0)`` (exact) for integer and bool dtypes."""
     dtype = _COMPLEX_PARTS.get(dtype, dtype)
     if tf32 and dtype == torch.float32:
         return _TF32
@@ -108,11 +99,7 @@ def default_tolerances(dtype: torch.dtype, *, tf32: bool = False) -> tuple[float
 
 
 def compare(
-    actual: object,
-    expected: object,
-    *,
-    rtol: float | None = None,
-    atol: float | None = None,
+    actual: object, expected: object, *, rtol: float | None = None, atol: float | None = None
 ) -> Comparison:
     """Compare ``actual`` (the compiled output) with ``expected`` (eager's), nested to any
     depth; ``docs/tolerances.md`` says what counts as a breach.
@@ -179,10 +166,8 @@ class _Walk:
     def result(self) -> Comparison:
         if not self.breaches:
             return Comparison(True, self.max_abs, self.max_rel, None, self.leaves)
-        self.breaches.sort(key=lambda item: item[0])
-        reason = self.breaches[0][1]
-        if len(self.breaches) > 1:
-            more = len(self.breaches) - 1
+        reason = min(self.breaches, key=lambda item: item[0])[1]  # the first in the walk
+        if more := len(self.breaches) - 1:
             reason += f" (and {more} more breach{'es' if more > 1 else ''})"
         return Comparison(False, self.max_abs, self.max_rel, reason, self.leaves)
 
@@ -293,10 +278,7 @@ class _Walk:
 
     def tolerances(self, dtype: torch.dtype, *, tf32: bool = False) -> tuple[float, float]:
         rtol, atol = default_tolerances(dtype, tf32=tf32)
-        return (
-            rtol if self.rtol is None else self.rtol,
-            atol if self.atol is None else self.atol,
-        )
+        return (rtol if self.rtol is None else self.rtol, atol if self.atol is None else self.atol)
 
     def tensor(self, actual: torch.Tensor, expected: torch.Tensor, path: str) -> None:
         self.leaves += 1
@@ -322,10 +304,8 @@ class _Walk:
         if a.is_complex():
             a, e = torch.view_as_real(a.resolve_conj()), torch.view_as_real(e.resolve_conj())
         kind = _fp32_kind(a.device) if a.dtype == torch.float32 else None
-        if kind == "bfloat16":
-            rtol, atol = self.tolerances(torch.bfloat16)
-        else:
-            rtol, atol = self.tolerances(a.dtype, tf32=kind == "tf32")
+        runs_in = torch.bfloat16 if kind == "bfloat16" else a.dtype
+        rtol, atol = self.tolerances(runs_in, tf32=kind == "tf32")
         label = _dname(dtype) if kind is None else f"{_dname(dtype)} ({kind})"
         return _Leaf(self.order, path, a, e, False, label, rtol, atol)
 
@@ -412,29 +392,25 @@ class TensorFigures:
         if self.e_norm <= 0:
             return math.inf
         spread = self.e_max / (self.e_norm * self.scale)  # max|e| / ‖e‖, ~1/√n if flat
-        return (
-            SCALE_SHARE * rtol
-            + SCALE_SIGMAS * self.normalised * spread
-            + self.floor(atol) / self.e_norm
-        )
+        noise = SCALE_SIGMAS * self.normalised * spread  # what noise alone can show
+        return SCALE_SHARE * rtol + noise + self.floor(atol) / self.e_norm
 
 
 def verdict(
     f: TensorFigures, rtol: float, atol: float, label: str = ""
 ) -> tuple[float, str | None]:
     """``(normalised error, why the tensor breaches or None)``; ``label`` (the dtype, say)
-    goes in the message. With ``d = actual - expected`` and ``e = expected``, in order:
+    goes in the message. With ``d = actual - expected`` and ``e = expected``, in order
+    (``docs/tolerances.md`` explains each term and the measurements behind them):
 
     1. noise: ``‖d‖ <= rtol·‖e‖ + atol·√n``;
     2. scale: ``|<d, e> / ‖e‖²| <= SCALE_SHARE·rtol + SCALE_SIGMAS·(‖d‖/‖e‖)·(max|e|/‖e‖)
        + atol·√n/‖e‖`` (a drift shows in full; rounding, uncorrelated with ``e``, barely);
     3. peak: ``max|d| <= PEAK_FACTOR·rtol·max|e| + atol`` (a few wrong elements).
-
-    ``docs/tolerances.md`` explains each term and the measurements behind them.
     """
     rel = f.normalised
     tag = f" ({label})" if label else ""
-    more = f"; normalised error {_fig(rel)}"
+    more = f" ({label or 'tensor'}; normalised error {_fig(rel)})"
     if f.d_norm > rtol * f.e_norm + f.floor(atol):
         if f.e_norm > 0:
             allowed = rtol + f.floor(atol) / f.e_norm
@@ -444,17 +420,13 @@ def verdict(
     if f.d_norm > 0:
         s, allowed = f.scale_error, f.scale_allowance(rtol, atol)
         if abs(s) > allowed:
-            return rel, (
-                f"scale error {_fig(s)} > tolerance {_fig(allowed)} ({label or 'tensor'}{more})"
-            )
+            return rel, f"scale error {_fig(s)} > tolerance {_fig(allowed)}{more}"
     if f.d_max > PEAK_FACTOR * rtol * f.e_max + atol:
         if f.e_max == 0:
             return rel, f"largest difference {_fig(f.d_max)} > atol {_fig(atol)}{tag}"
         allowed = PEAK_FACTOR * rtol + atol / f.e_max
-        return rel, (
-            f"peak error {_fig(f.d_max / f.e_max)} of the largest magnitude > tolerance "
-            f"{_fig(allowed)} ({label or 'tensor'}{more})"
-        )
+        peak = _fig(f.d_max / f.e_max)
+        return rel, f"peak error {peak} of the largest magnitude > tolerance {_fig(allowed)}{more}"
     return rel, None
 
 

@@ -149,13 +149,8 @@ class ShadowRunner:
         self.note(graph, None, result, compiled_s, eager_s, canary)
         if result.ok and after is not None:
             after.keep_compiled()  # the state the compiled outputs came with
-        return Outcome(
-            breach=None if result.ok else result.reason or "outputs differ",
-            eager_out=eager_out,
-            max_abs=result.max_abs,
-            max_rel=result.max_rel,
-            graph=graph,
-        )
+        breach = None if result.ok else result.reason or "outputs differ"
+        return Outcome(breach, eager_out, result.max_abs, result.max_rel, graph)
 
     def _checkable(
         self, table: GraphTable, due: list[GraphRecord], snapshot: Snapshot, *, changed: bool
@@ -163,22 +158,21 @@ class ShadowRunner:
         """Whether this check can be made faithfully; if not, an event says why once, and
         the state is copied from the next check on, or the graphs are never checked."""
         assert self.policy is not None
+        why: str | None
         if snapshot.problem is not None:
             why = f"it updates a Python object that cannot be copied ({snapshot.problem})"
         elif not changed:
             return True
         else:
-            unrestorable = snapshot.unrestorable()
-            if unrestorable is not None and "parameter" not in unrestorable:
+            why = snapshot.unrestorable()
+            if why is not None and "parameter" not in why:
                 for g in due:
                     g.mutates = True
-                self.skip_graph(
-                    due[0], f"{unrestorable}; from its next check on, the state is restored"
-                )
+                self.skip_graph(due[0], f"{why}; from its next check on, the state is restored")
                 return False
-            if unrestorable is None and self.policy.mode == "sync":
+            if why is None and self.policy.mode == "sync":
                 return True
-            why = unrestorable or "it updates state, which an async check cannot isolate"
+            why = why or "it updates state, which an async check cannot isolate"
         for g in due:
             table.never_check(g, why)
         hint = "" if self.policy.mode == "sync" else " (Shadow(mode='sync') can check it)"
@@ -264,17 +258,8 @@ class ShadowRunner:
             log_span=canary,
         )
         if not result.ok:
-            self._record(
-                Event(
-                    kind=EventKind.BREACH,
-                    time=time.time(),
-                    bucket=where,
-                    message=result.reason,
-                    max_abs_diff=result.max_abs,
-                    max_rel_diff=result.max_rel,
-                    details={"graph": graph.id} if graph is not None else {},
-                )
-            )
+            figures = {"max_abs_diff": result.max_abs, "max_rel_diff": result.max_rel}
+            self._say(EventKind.BREACH, graph, bucket=where, message=result.reason, **figures)
 
     def skip_graph(self, graph: GraphRecord | None, why: str) -> None:
         """Count a skipped check, and say once per graph and reason why it was skipped."""
@@ -282,15 +267,12 @@ class ShadowRunner:
             self._c.counts.skipped += 1
             said = self._c.said
         if said.first((graph.id if graph is not None else 0, why)):
-            self._record(
-                Event(
-                    kind=EventKind.SHADOW_SKIPPED,
-                    time=time.time(),
-                    bucket=_where(graph),
-                    message=f"shadow checks skipped: {why}",
-                    details={"graph": graph.id} if graph is not None else {},
-                )
-            )
+            message = f"shadow checks skipped: {why}"
+            self._say(EventKind.SHADOW_SKIPPED, graph, bucket=_where(graph), message=message)
+
+    def _say(self, kind: EventKind, graph: GraphRecord | None, **fields: Any) -> None:
+        details = {"graph": graph.id} if graph is not None else {}
+        self._record(Event(kind=kind, time=time.time(), details=details, **fields))
 
     def _submit(
         self,
@@ -326,9 +308,8 @@ class ShadowRunner:
                 result = self._compare(out, eager_out)
                 self.note(graph, None, result, compiled_s, eager_s, canary)
                 if not result.ok:
-                    self._on_breach(
-                        graph, result.reason or "outputs differ", result.max_abs, result.max_rel
-                    )
+                    reason = result.reason or "outputs differ"
+                    self._on_breach(graph, reason, result.max_abs, result.max_rel)
             except Exception as exc:
                 self.skip_graph(graph, f"the async eager run raised {type(exc).__name__}")
             finally:
@@ -382,17 +363,14 @@ class _Worker:
                     self._idle.notify_all()
 
     def drain(self, timeout: float = 30.0) -> bool:
-        """Wait until every submitted check has run; False if ``timeout`` passed first."""
+        """Wait until every queued async shadow check has run (tests, graceful shutdown);
+        False if ``timeout`` passed first."""
         with self._idle:
             return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
 
 
 _WORKER = _Worker()
-
-
-def drain(timeout: float = 30.0) -> bool:
-    """Wait until every queued async shadow check has run (tests, graceful shutdown)."""
-    return _WORKER.drain(timeout)
+drain = _WORKER.drain
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
