@@ -24,11 +24,13 @@ import torch
 
 from safecompile import Buckets, ConfigError, Reason, Rollback, Shadow, State, Warmup, safe_compile
 from safecompile.base.model import EventKind
+from safecompile.checks import speed as speed_module
 from safecompile.checks.speed import (
     CallSpeed,
     Decision,
     SpeedPolicy,
     Step,
+    call_clock,
     decide,
     median_interval,
     ratios,
@@ -139,6 +141,91 @@ def test_decide_keeps_the_serving_arm_when_inconclusive() -> None:
     assert decide(straddle * 2, policy).eager is None
     assert decide(straddle * 4, policy, current_eager=False).eager is False
     assert decide(straddle * 4, policy, current_eager=True).eager is True
+
+
+def test_the_last_read_decides_on_the_median() -> None:
+    """Undecided at max_pairs: a median above the limit rolls back when the interval
+    says eager is faster at all (its lower end above 1); otherwise compiled stays."""
+    policy = _policy(min_pairs=4, max_pairs=8)  # at 8 pairs the interval is [min, max]
+
+    def at_last_read(values: list[float]) -> Decision:
+        decision = decide([(v, 1.0) for v in values], policy)
+        assert decision.low <= policy.ratio < decision.high  # the interval straddles it
+        return decision
+
+    slower = at_last_read([1.02, 1.03, 1.08, 1.10, 1.12, 1.15, 1.20, 1.25])
+    assert (slower.eager, slower.ratio) == (True, pytest.approx(1.11))
+    assert at_last_read([0.98, 1.03, 1.08, 1.10, 1.12, 1.15, 1.20, 1.25]).eager is False
+    assert at_last_read([1.01] * 5 + [1.2] * 3).eager is False  # the median is within the limit
+
+
+def _jittered(base: float, rng: random.Random, sigma: float) -> Latency:
+    return lambda _n: base * rng.lognormvariate(0.0, sigma)
+
+
+def _first_verdicts(compiled: float, seeds: int = 10) -> list[Decision]:
+    """The first verdict of each seed: 20% log-normal jitter on each arm (the ratios of
+    pairs spread ~28%), compiled ``compiled`` times eager's time."""
+    found = []
+    for seed in range(seeds):
+        rng = random.Random(seed)
+        sim = Sim(_policy(), compiled=_jittered(compiled, rng, 0.2), eager=_jittered(1.0, rng, 0.2))
+        sim.calls(2000)
+        found.append(sim.verdicts[0][1])
+    return found
+
+
+def test_noisy_pairs_still_roll_back_twelve_percent_slower() -> None:
+    """Compiled 12% slower under that noise: the interval alone decided 1 seed in 10 (the
+    rest stayed compiled); the last read rolls back 8 in 10, at 128 pairs."""
+    verdicts = _first_verdicts(1.12)
+    assert sum(bool(d.eager) for d in verdicts) == 8
+    assert sum(bool(d.eager) and d.pairs == 128 for d in verdicts) == 7
+
+
+@pytest.mark.parametrize("compiled", [0.97, 1.0])
+def test_noisy_pairs_keep_a_path_as_fast_as_eager(compiled: float) -> None:
+    """The same noise, compiled as fast as eager or 3% faster: never rolled back."""
+    assert not any(d.eager for d in _first_verdicts(compiled))
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_call_clock_reads_cpu_time_on_one_thread(
+    monkeypatch: pytest.MonkeyPatch, one_thread: None
+) -> None:
+    """One intra-op thread, no CUDA: the verdict reads the thread's CPU time (every kernel
+    runs on it); more threads: wall time (the other threads' work would be missed)."""
+    monkeypatch.setattr(speed_module, "_cuda", lambda: False)
+    monkeypatch.setattr(speed_module.time, "thread_time", lambda: 1.0)
+    monkeypatch.setattr(speed_module.time, "perf_counter", lambda: 2.0)
+    assert call_clock() == 1.0
+    torch.set_num_threads(2)
+    assert call_clock() == 2.0
+
+
+def test_the_default_clock_leaves_out_waiting(
+    monkeypatch: pytest.MonkeyPatch, clock: FakeClock, one_thread: None
+) -> None:
+    """Without an injected clock, the verdict times with the thread's CPU time: calls whose
+    CPU time says "compiled 4x slower" roll back at exactly that ratio, whatever the
+    wall clock read."""
+    monkeypatch.setattr(speed_module, "_cuda", lambda: False)
+    monkeypatch.setattr(speed_module.time, "thread_time", clock)
+    with spend_on(clock):
+        g = safe_compile(two_graphs, backend=slower_backend(clock, 0.0015))
+        for _ in range(400):
+            g(torch.randn(4))
+    last = g.safecompile.stats().last_rollback
+    assert last is not None
+    assert last.reason is Reason.SLOWER
+    assert "the whole call 4.000x eager's time" in (last.message or "")
 
 
 @pytest.mark.parametrize(

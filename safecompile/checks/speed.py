@@ -1,53 +1,66 @@
 """The speed verdict: is the compiled path slower than eager, for the call the user makes?
 
-It judges the *whole call*: on the compiled path, dynamo's frame evaluation and guards,
-the guard's wrappers, every graph and the eager code between them, bucket padding and
-cutting back; against the same call run eagerly (the original function, no dynamo).
-Both arms are live calls: a call routed to eager (a *probe*) gives its caller eager's
-values, side effects and gradients, so a probe is always a correct call.
+It judges the *whole call* on the compiled path (dynamo, guards, wrappers, every graph
+and the eager code between them, bucket padding) against the same call run eagerly
+(the original function, no dynamo). Both arms are live calls: a call routed to eager
+(a *probe*) gives its caller eager's values, side effects and gradients.
 
-Measuring happens in *rounds*. A round times *pairs*: two live calls of the same group
-(the caller's key: the same bucket, shapes, dtypes and grad mode, so the same graphs
-serve them), one on each arm, close in time (the partner must come within
-``4 * stride`` calls, or the half pair is dropped); which arm opens a pair alternates,
-and a pair opens at most every ``stride`` calls. At ``min_pairs`` pairs, at each
-doubling of it and at ``max_pairs`` (few looks, so that looking often does not multiply
-the false verdicts), :func:`decide` reads the ratios ``compiled / eager`` of the pairs:
-a distribution-free confidence interval for their median (order statistics of the sign
-test) decides "eager wins" when its lower end is above ``ratio``, "compiled stays" when
-its upper end is at most ``ratio``; undecided at ``max_pairs``, compiled keeps serving.
-One outlier on either arm moves one ratio, never the median. Ratios are scale-free, so
-pairs of different groups pool into one verdict. The first ``warm_calls`` calls are
-never timed (warm-up).
+A round times *pairs*: two live calls of the same group (the caller's key: the same
+graphs serve them), one on each arm; the partner must come within ``4 * stride`` calls
+or the half pair is dropped; the opening arm alternates, and a pair opens at most every
+``stride`` calls. At ``min_pairs``, each doubling of it and ``max_pairs`` (few looks, so
+that looking often does not multiply the false verdicts), :func:`decide` reads the
+ratios ``compiled / eager``: a distribution-free confidence interval for their median
+(the sign test's order statistics) says "eager wins" when its lower end is above
+``ratio``, "compiled stays" when its upper end is at most ``ratio``. Undecided at
+``max_pairs``, the median decides, but eager wins only where the interval says it is
+faster at all (lower end above 1). Ratios are scale-free, so groups pool into one verdict.
 
 After a verdict for compiled, the next round waits ``pairs / budget`` calls, doubled for
-each round that agreed with the last one (up to ``max_backoff`` times): each round routes
-at most ``pairs`` calls to eager, so at steady state at most ``budget`` of the calls
-(1%) are probes. A verdict for eager is the caller's to act on (the guard rolls back,
-reason ``slower``); :meth:`CallSpeed.restart` measures from scratch when the compiled
-path serves again.
+each round that agreed with the last (up to ``max_backoff`` times): at steady state at
+most ``budget`` of the calls are probes. A verdict for eager is the caller's to act on;
+:meth:`CallSpeed.restart` measures from scratch when the compiled path serves again.
 
-Everything here is pure: no torch, no clock. The caller times the calls.
+The statistics and the plan are pure; the caller times the calls, with :func:`call_clock`.
 """
 
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import statistics
 import threading
+import time
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 __all__ = [
     "CallSpeed",
     "Decision",
     "SpeedPolicy",
     "Step",
+    "call_clock",
     "decide",
     "median_interval",
 ]
+
+
+def call_clock() -> float:
+    """The verdict's clock: the calling thread's CPU time while torch runs a call's kernels
+    on this thread (one intra-op thread, no CUDA device), so that time spent waiting for a
+    core on a loaded machine is not counted; wall time otherwise (see docs/speed.md)."""
+    if torch.get_num_threads() == 1 and not _cuda():
+        return time.thread_time()
+    return time.perf_counter()
+
+
+@functools.cache
+def _cuda() -> bool:
+    return torch.cuda.is_available()  # 1.5 us a call, and it cannot change in a process
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -61,7 +74,7 @@ class SpeedPolicy:
     stride: int = 8  # calls from one pair's start to the next within a round
     budget: float = 0.01  # share of calls on the arm that is not serving, at steady state
     max_backoff: int = 64  # the gap between rounds grows up to this many times
-    confidence: float = 0.99  # per look; looks at min_pairs, 2x, 4x ... and max_pairs
+    confidence: float = 0.99  # per look
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.ratio) and self.ratio > 0):
@@ -83,34 +96,23 @@ class SpeedPolicy:
 # ---------------------------------------------------------------- statistics
 
 
-def _rank(n: int, confidence: float) -> int:
-    """The 1-based rank ``k`` such that ``[x_(k), x_(n-k+1)]`` covers the median of ``n``
-    samples with at least ``confidence`` (the sign test's interval); 0 when ``n`` is
-    too small for any interval."""
-    alpha = (1.0 - confidence) / 2.0
-    total = 2.0**n
-    cumulative = 0.0
-    k = 0
-    while k < (n + 1) // 2:
-        cumulative += math.comb(n, k) / total
-        if cumulative > alpha:
-            break
-        k += 1
-    return k
-
-
 def median_interval(
     values: Sequence[float], confidence: float = 0.95
 ) -> tuple[float, float, float]:
-    """``(low, median, high)``: the median of ``values`` and a distribution-free interval
-    that covers the true median with at least ``confidence``. With too few values for an
-    interval, ``low``/``high`` are ``-inf``/``inf``; empty: all NaN."""
+    """``(low, median, high)``: the median of ``values`` and the sign test's interval
+    ``[x_(k), x_(n-k+1)]`` that covers the true median with at least ``confidence``.
+    Too few values for an interval: ``low``/``high`` are infinite; empty: all NaN."""
     if not values:
         return math.nan, math.nan, math.nan
     ordered = sorted(values)
     n = len(ordered)
     middle = float(statistics.median(ordered))
-    k = _rank(n, confidence)
+    alpha = (1.0 - confidence) / 2.0
+    k = 0  # the largest k with P(Bin(n, 1/2) < k) <= alpha
+    cumulative = math.comb(n, 0) / 2.0**n
+    while k < (n + 1) // 2 and cumulative <= alpha:
+        k += 1
+        cumulative += math.comb(n, k) / 2.0**n
     if k == 0:
         return -math.inf, middle, math.inf
     return ordered[k - 1], middle, ordered[n - k]
@@ -143,9 +145,7 @@ def ratios(pairs: Sequence[tuple[float, float]]) -> list[float]:
     eager at zero reads as infinitely faster, both at zero as equal)."""
     out = []
     for compiled, eager in pairs:
-        if not (math.isfinite(compiled) and math.isfinite(eager)):
-            continue
-        if compiled < 0 or eager < 0:
+        if not (math.isfinite(compiled) and math.isfinite(eager)) or min(compiled, eager) < 0:
             continue
         if eager == 0:
             out.append(1.0 if compiled == 0 else math.inf)
@@ -161,28 +161,24 @@ def decide(
     found = ratios(pairs)
     n = len(found)
     low, middle, high = median_interval(found, policy.confidence)
-    if not _is_look(n, policy):
-        return Decision(None, middle, low, high, n)
-    if low > policy.ratio:
-        verdict: bool | None = True
-    elif high <= policy.ratio:
-        verdict = False
-    elif n >= policy.max_pairs:
-        verdict = current_eager  # not conclusive: keep the arm that serves
-    else:
-        verdict = None
+    verdict: bool | None = None
+    if _is_look(n, policy):
+        if low > policy.ratio:
+            verdict = True
+        elif high <= policy.ratio:
+            verdict = False
+        elif n >= policy.max_pairs:
+            # the last read: the median decides, but no rollback unless eager is faster at all
+            verdict = current_eager or (middle > policy.ratio and low > 1.0)
     return Decision(verdict, middle, low, high, n)
 
 
 def _is_look(n: int, policy: SpeedPolicy) -> bool:
-    """Whether a round reads its pairs at ``n``: at ``min_pairs`` and each doubling of
-    it, and at ``max_pairs`` (few looks keep the false-verdict rate near one look's)."""
+    """At ``min_pairs``, each doubling of it, and ``max_pairs``."""
     if n >= policy.max_pairs:
         return True
-    if n < policy.min_pairs or n % policy.min_pairs:
-        return False
-    multiple = n // policy.min_pairs
-    return multiple & (multiple - 1) == 0
+    multiple, rest = divmod(n, policy.min_pairs)
+    return multiple > 0 and rest == 0 and multiple & (multiple - 1) == 0
 
 
 # ---------------------------------------------------------------- the callable's verdict
@@ -249,17 +245,13 @@ class CallSpeed:
             self.wants = False
             return self._round_at - self.calls
         if self._half is not None:
-            if self.calls - self._half.at > self._horizon():
-                self._half = None  # its partner did not come in time: drop it
-            else:
+            if self.calls - self._half.at <= 4 * self.policy.stride:
                 self.wants = True
                 return 0
+            self._half = None  # its partner did not come in time: drop it
         left = self._open_at - self.calls
         self.wants = left <= 0
         return max(left, 0)
-
-    def _horizon(self) -> int:
-        return self.policy.stride * 4
 
     def plan(self, key: Hashable) -> Step:
         """What this call (already counted) does. ``key`` groups like calls (the same
@@ -268,12 +260,12 @@ class CallSpeed:
             if not self.measuring or self._in_flight or self._left() > 0:
                 return Step.UNTIMED
             half = self._half
-            if half is not None and half.key != key:
-                return Step.UNTIMED  # waiting for the partner of the open half
             if half is None:
                 eager = self._eager_first
                 self._eager_first = not eager
                 self._half = _Half(key, eager, self.calls)
+            elif half.key != key:
+                return Step.UNTIMED  # waiting for the partner of the open half
             else:
                 eager = not half.eager
             self._in_flight = True
@@ -295,34 +287,32 @@ class CallSpeed:
             self._in_flight = False
             self.timed += 1
             half = self._half
-            if half is None or step is Step.UNTIMED:
-                self._left()
-                return None
-            if half.seconds is None:  # the first call of the pair
-                half.seconds = seconds
-                self._left()
-                return None
-            self._half = None
-            first_s = half.seconds
-            pair = (first_s, seconds) if not half.eager else (seconds, first_s)
-            self._pairs.append(pair)
-            self._open_at = half.at + self.policy.stride
-            decision = decide(self._pairs, self.policy)
-            if decision.eager is not None:
-                self._conclude(decision)
+            decision = None
+            if half is not None and step is not Step.UNTIMED:
+                if half.seconds is None:  # the first call of the pair
+                    half.seconds = seconds
+                else:
+                    self._half = None
+                    pair = (seconds, half.seconds) if half.eager else (half.seconds, seconds)
+                    self._pairs.append(pair)
+                    self._open_at = half.at + self.policy.stride
+                    decision = decide(self._pairs, self.policy)
+                    if decision.eager is None:
+                        decision = None
+                    else:
+                        self._conclude(decision)
             self._left()
-            return decision if decision.eager is not None else None
+            return decision
 
     def _conclude(self, decision: Decision) -> None:
-        policy = self.policy
         same = self.last is not None and decision.eager == self.last.eager
         self._agreeing = self._agreeing + 1 if same else 0
         self.measuring = False
         self._pairs = []
         self.rounds += 1
         self.last = decision
-        backoff = min(2 ** min(self._agreeing, 62), policy.max_backoff)
-        self._round_at = self.calls + math.ceil(decision.pairs / policy.budget) * backoff
+        backoff = min(2 ** min(self._agreeing, 62), self.policy.max_backoff)
+        self._round_at = self.calls + math.ceil(decision.pairs / self.policy.budget) * backoff
 
     def restart(self) -> None:
         """Measure from scratch (the compiled path serves again after a trip): a new

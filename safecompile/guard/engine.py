@@ -24,7 +24,7 @@ from safecompile.base.model import Event, EventKind, Reason
 from safecompile.base.options import CompilerFn, Options
 from safecompile.base.policies import FOREVER
 from safecompile.checks.snapshot import Snapshot
-from safecompile.checks.speed import CallSpeed, Decision, SpeedPolicy, Step
+from safecompile.checks.speed import CallSpeed, Decision, SpeedPolicy, Step, call_clock
 from safecompile.observe.explain import Explanation, explain
 from safecompile.observe.log import Once, log_event
 from safecompile.observe.progress import Compiling, watch_compile
@@ -130,6 +130,8 @@ class Engine:
         self.module = module
         self.opts = opts  # resolved by the decorator
         self.clock = opts.clock
+        # the verdict's clock: CPU time where it covers the call (an injected clock: tests)
+        self.speed_clock = call_clock if opts.clock is time.perf_counter else opts.clock
         self.sink = sink
         self.location = location_of_function(module if module is not None else fn)
         # CUDA graphs: outputs live in a pool the next replay overwrites (paths.discarded)

@@ -313,7 +313,7 @@ def _timed_compiled(
     """A timed compiled call returned: its time goes to the speed verdict, unless no
     compiled graph served it or it compiled a graph (then it is not a live call's time)."""
     sync_device(out)
-    elapsed = e.clock() - slot.timer
+    elapsed = e.speed_clock() - slot.timer
     slot.timer = -1.0
     served = first is not None and first.compiled and new is None
     e.speed_done(Step.TIME_COMPILED, elapsed if served else None)
@@ -464,7 +464,7 @@ def _call_compiled(e: Engine, call: Call, *, force: bool) -> Any:
     slot.call = call
     if step is Step.TIME_COMPILED:
         sync_device((call.args, call.kwargs))
-        slot.timer = e.clock()
+        slot.timer = e.speed_clock()
     try:
         if call.plan is not None:
             return _call_bucket(e, call)
@@ -528,7 +528,7 @@ def _probe(e: Engine, call: Call) -> Any:
     """The eager arm of a pair: the original function on the caller's own arguments
     (its values, side effects and gradients are the caller's), timed."""
     sync_device((call.args, call.kwargs))
-    started = e.clock()
+    started = e.speed_clock()
     try:
         out = e.fn(*call.args, **call.kwargs)
         sync_device(out)
@@ -536,7 +536,7 @@ def _probe(e: Engine, call: Call) -> Any:
         call.slot.eager += 1
         e.speed_done(Step.TIME_EAGER, None)
         raise  # eager's own error: the caller gets it, as eager would raise it
-    elapsed = e.clock() - started
+    elapsed = e.speed_clock() - started
     call.slot.eager += 1
     e.speed_done(Step.TIME_EAGER, elapsed)
     return out
