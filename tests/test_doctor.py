@@ -435,6 +435,23 @@ def test_bad_flags_exit_2(argv: list[str], capsys: pytest.CaptureFixture[str]) -
     assert capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "expected"),
+    [
+        ("--repeat", "0", "expected an integer >= 1, got '0'"),
+        ("--repeat", "x", "expected an integer >= 1, got 'x'"),
+        ("--max-graph-breaks", "-1", "expected an integer >= 0, got '-1'"),
+        ("--slower-ratio", "nan", "expected a number > 0 (inf: never), got 'nan'"),
+    ],
+)
+def test_a_bad_number_flag_says_what_it_expects(
+    flag: str, value: str, expected: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A number flag out of range or not a number names the flag and what it takes."""
+    assert main(["doctor", "x:y", flag, value]) == 2
+    assert f"argument {flag}: {expected}" in capsys.readouterr().err
+
+
 def test_help_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
     """``doctor --help`` documents FACTORY's contract."""
     assert main(["doctor", "--help"]) == 0

@@ -28,6 +28,7 @@ from safecompile.doctor import (
     Timing,
     judge,
     render_html,
+    render_text,
 )
 
 HERE = Path(__file__).parent
@@ -231,6 +232,15 @@ def _hostile_report() -> Report:
         ),
     )
     return dataclasses.replace(report, checks=judge(report))
+
+
+def test_verdict_counts_read_as_the_text_report_does() -> None:
+    """The page's counts are the text report's words: failed and warned checks by name."""
+    report = _hostile_report()
+    counts = render_text(report).splitlines()[0].split(" - ", 1)[1]
+
+    assert counts.startswith("2 failed (compile, graph breaks)")
+    assert counts in Page(render_html(report)).section_text()
 
 
 def test_user_strings_are_escaped() -> None:
