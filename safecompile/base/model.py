@@ -9,7 +9,14 @@ from typing import Any
 __all__ = ["Event", "EventKind", "Reason", "State", "Stats"]
 
 
-class State(str, enum.Enum):
+class _Named(str, enum.Enum):
+    """An enum whose members read as their values (``str(State.CANARY) == "canary"``)."""
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+class State(_Named):
     """Where a guarded callable stands."""
 
     PENDING = "pending"  # nothing compiled yet
@@ -20,11 +27,8 @@ class State(str, enum.Enum):
     ROLLED_BACK = "rolled_back"  # eager serves after a trip
     DISABLED = "disabled"  # kill switch
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class Reason(str, enum.Enum):
+class Reason(_Named):
     """Why a guarded callable (or one shape of it) left the compiled path."""
 
     COMPILE_ERROR = "compile_error"
@@ -35,11 +39,8 @@ class Reason(str, enum.Enum):
     MANUAL = "manual"
     PEER = "peer"  # another rank of the process group tripped (or stopped answering)
 
-    def __str__(self) -> str:
-        return self.value
 
-
-class EventKind(str, enum.Enum):
+class EventKind(_Named):
     """What an :class:`Event` records."""
 
     COMPILED = "compiled"  # a shape or bucket compiled
@@ -58,9 +59,6 @@ class EventKind(str, enum.Enum):
     RESET = "reset"
     WARMUP_FAILED = "warmup_failed"  # a warmup example raised in eager too
     SPEED_VERDICT = "speed_verdict"  # a round of the speed verdict: compiled stays or eager won
-
-    def __str__(self) -> str:
-        return self.value
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -89,25 +89,18 @@ def lookup(dotted: str) -> Any:
     found = _FOUND.get(dotted)
     if found is not None:
         return found
-    found = _resolve(dotted)
-    if isinstance(found, _STABLE):
-        _FOUND[dotted] = found
-    return found
-
-
-def _resolve(dotted: str) -> Any:
     parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
+    for cut in range(len(parts), 0, -1):  # the longest importable module, then attributes
         try:
-            obj: Any = importlib.import_module(".".join(parts[:cut]))
+            found = importlib.import_module(".".join(parts[:cut]))
         except Exception:
             continue
         for attr in parts[cut:]:
-            obj = getattr(obj, attr, None)
-            if obj is None:
-                return None
-        return obj
-    return None
+            found = getattr(found, attr, None)
+        break
+    if isinstance(found, _STABLE):
+        _FOUND[dotted] = found
+    return found
 
 
 # ---------------------------------------------------------------- compiling
