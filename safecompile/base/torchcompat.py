@@ -199,13 +199,18 @@ def compile_lock() -> Any:
 # ---------------------------------------------------------------- dynamo's state
 
 
+def _call(name: str, effect: str, *args: Any, **kwargs: Any) -> Missing | None:
+    """Call the torch function ``name``; a :class:`Missing` (with ``effect``) without it."""
+    found = lookup(name)
+    if found is None:
+        return Missing(name, effect)
+    found(*args, **kwargs)
+    return None
+
+
 def reset_code(code: types.CodeType) -> Missing | None:
     """Drop the graphs dynamo caches on one code object. checked: 2.9.1, 2.13.0"""
-    drop = lookup("torch._dynamo.reset_code")
-    if drop is None:
-        return Missing("torch._dynamo.reset_code", "reset() keeps torch's cached graphs")
-    drop(code)
-    return None
+    return _call("torch._dynamo.reset_code", "reset() keeps torch's cached graphs", code)
 
 
 def default_store() -> Any:
@@ -232,11 +237,8 @@ DYNAMIC_MARKS = (
 
 def mark_dynamic(tensor: torch.Tensor, dim: int, low: int, high: int) -> Missing | None:
     """Mark ``tensor``'s ``dim`` dynamic between ``low`` and ``high``. checked: 2.9.1, 2.13.0"""
-    mark = lookup("torch._dynamo.mark_dynamic")
-    if mark is None:
-        return Missing("torch._dynamo.mark_dynamic", "dynamic ranges are left to torch")
-    mark(tensor, dim, min=low, max=high)
-    return None
+    effect = "dynamic ranges are left to torch"
+    return _call("torch._dynamo.mark_dynamic", effect, tensor, dim, min=low, max=high)
 
 
 def compile_callbacks() -> Any:
@@ -363,15 +365,8 @@ def is_tensor_property(source: object) -> bool:
 def close_symbolic_trace_window() -> Missing | None:
     """Run inductor's one-time ``symbolic_trace`` of a helper module now (it patches
     ``nn.Module.__call__`` process-wide while it runs). checked: 2.9.1, 2.13.0"""
-    shim = lookup("torch._inductor.loop_body.InterpreterShim")
-    dummy = getattr(shim, "_dummy_gm", None)
-    if dummy is None:
-        return Missing(
-            "torch._inductor.loop_body.InterpreterShim._dummy_gm",
-            "a background compile may patch nn.Module.__call__ while eager serves",
-        )
-    dummy()
-    return None
+    effect = "a background compile may patch nn.Module.__call__ while eager serves"
+    return _call("torch._inductor.loop_body.InterpreterShim._dummy_gm", effect)
 
 
 def dynamo_dir() -> str:

@@ -73,13 +73,6 @@ def _where(location: SourceLocation | None) -> str:
     return f" at {place} (`{code}`)" if code else f" at {place}"
 
 
-def _first_line(text: str) -> str:
-    for line in safe_message(text).splitlines():
-        if line.strip():
-            return line.strip()
-    return ""
-
-
 def _headline(error: BaseException) -> str:
     """The error's own first line: the inner error of a backend failure, ``gb_type`` of a
     graph break, else the first non-empty line of its message."""
@@ -89,7 +82,7 @@ def _headline(error: BaseException) -> str:
     gb_type = getattr(error, "gb_type", None)
     if isinstance(gb_type, str) and gb_type:
         return gb_type
-    first = _first_line(str(error))
+    first = next((line.strip() for line in safe_message(error).splitlines() if line.strip()), "")
     name = type(error).__name__
     return truncate(f"{name}: {first}" if first else name, _SUMMARY_LIMIT)
 
