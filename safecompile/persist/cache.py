@@ -1,15 +1,9 @@
-"""Cold start across restarts: torch's compile caches and persisted verdicts.
-
-Under ``SAFECOMPILE_CACHE_DIR`` (read when asked, never at import)::
-
-    $SAFECOMPILE_CACHE_DIR/torch/      torch's own caches (TORCHINDUCTOR_CACHE_DIR): inductor's
-                                       FX-graph cache, AOTAutograd's, Triton's, dynamo's PGO
-    $SAFECOMPILE_CACHE_DIR/verdicts/   one JSON file per (artifact key, scope)
-
-An artifact key (:func:`artifact_key`) hashes everything that makes an artifact or a
-verdict stale (versions, platform, device, the code, torch.compile's options), so new
-code or a torch upgrade retries a known failure. Files are replaced atomically; a
-corrupt or foreign one is ignored with a warning (``safecompile.cache_file_ignored``).
+"""Cold start across restarts, under ``SAFECOMPILE_CACHE_DIR`` (read when asked): torch's
+own caches in ``torch/`` (``TORCHINDUCTOR_CACHE_DIR``) and one signed JSON verdict per
+(artifact key, scope) in ``verdicts/``. An artifact key hashes everything that makes an
+artifact or a verdict stale (versions, device, the code, torch.compile's options), so new
+code or a torch upgrade retries a known failure. A corrupt or foreign file is ignored with
+one ``safecompile.cache_file_ignored`` warning.
 """
 
 from __future__ import annotations
@@ -43,7 +37,7 @@ from safecompile.base.forks import in_forked_child
 
 from .bounded import bounded, read_file
 from .remote import RemoteVerdicts, remote_verdicts
-from .signing import Signer, owner_problem, signer, warn_ignored, warn_once
+from .signing import owner_problem, signer, warn_ignored, warn_once
 
 __all__ = [
     "CACHE_ENV_VAR",
@@ -316,11 +310,11 @@ class _CodeWalker:
 
     def code(self, code: types.CodeType) -> None:
         if not self._once(code):
-            self.feed("ref", getattr(code, "co_qualname", code.co_name))
+            self.feed("ref", code.co_qualname)
             return
         self.feed(
             "code",
-            getattr(code, "co_qualname", code.co_name),
+            code.co_qualname,
             code.co_filename,
             code.co_code,
             ",".join(code.co_names),
@@ -453,7 +447,7 @@ class Verdict:
         return cls(kind=data["kind"], time=float(when), details=details, **texts)
 
 
-_FROM_ENV: Any = object()  # VerdictStore's remote tier and key: the environment's
+_FROM_ENV: Any = object()  # VerdictStore's remote tier: the environment's
 _PURPOSE = "verdict"
 
 
@@ -471,20 +465,21 @@ class VerdictStore:
     trust is ignored with one warning; a failed write is a warning and ``False``.
 
     ``remote`` (default: ``SAFECOMPILE_REMOTE_CACHE``'s tier, if any) is read when the
-    local file is missing and written alongside. ``signer`` (default: the operator's key)
-    signs every document and verifies it wherever it was read from; without a key the
-    store reads and writes nothing.
+    local file is missing and written alongside. The operator's key signs every document
+    and verifies it wherever it was read from; without a key the store reads and writes
+    nothing.
     """
 
-    def __init__(
-        self,
-        root: Path | str,
-        *,
-        remote: RemoteVerdicts | None = _FROM_ENV,
-        signer: Signer | None = _FROM_ENV,
-    ) -> None:
+    def __init__(self, root: Path | str, *, remote: RemoteVerdicts | None = _FROM_ENV) -> None:
         self.directory = Path(root) / "verdicts"
-        self.signer = _env_signer() if signer is _FROM_ENV else signer
+        self.signer = signer()
+        if self.signer is None:
+            warn_once(
+                "no-key",
+                f"{CACHE_ENV_VAR} without a key (SAFECOMPILE_CACHE_KEY or "
+                "SAFECOMPILE_CACHE_KEY_FILE): verdicts and torch's portable artifacts are "
+                "neither written nor read; torch's own on-disk caches still are",
+            )
         self.remote = remote_verdicts() if remote is _FROM_ENV else remote
 
     def path(self, key: str, scope: str = "") -> Path:
@@ -499,11 +494,11 @@ class VerdictStore:
         older than ``max_age`` seconds before ``now``)."""
         if self.signer is None:
             return None  # nothing unauthenticated is trusted
-        path: Path | str = self.path(key, scope)
+        where: Path | str = self.path(key, scope)
         doc = _read_json(self.path(key, scope))
         if doc is None and self.remote is not None:
-            path = self.remote.where(key, scope)
-            doc = _decode_json(path, self.remote.get(key, scope))
+            where = self.remote.where(key, scope)
+            doc = _decode_json(where, self.remote.get(key, scope))
         if doc is None:
             return None
         try:
@@ -517,7 +512,7 @@ class VerdictStore:
             verdict = Verdict.from_dict(doc.get("verdict") or {})
             self.signer.verify_doc(_PURPOSE, _doc_name(key, scope), doc)
         except (ValueError, TypeError, AttributeError) as exc:
-            warn_ignored(path, f"foreign or invalid: {exc}")
+            warn_ignored(where, f"foreign or invalid: {exc}")
             return None
         if max_age is not None and now is not None and now - verdict.time > max_age:
             return None
@@ -545,23 +540,14 @@ class VerdictStore:
 
     def all(self, key: str) -> dict[str, Verdict]:
         """Every readable verdict under ``key``, by scope."""
-        folder = self.directory / _key_dir(key)
-        out: dict[str, Verdict] = {}
         try:
-            files = sorted(folder.glob("*.json"))
+            files = sorted((self.directory / _key_dir(key)).glob("*.json"))
         except OSError:
-            return out
-        for path in files:
-            doc = _read_json(path)
-            scope = doc.get("scope") if doc is not None else None
-            if isinstance(scope, str) and self.path(key, scope) == path:
-                verdict = self.get(key, scope)
-                if verdict is not None:
-                    out[scope] = verdict
-        for scope in self.remote.all(key) if self.remote is not None else ():
-            if scope not in out and (verdict := self.get(key, scope)) is not None:
-                out[scope] = verdict
-        return out
+            files = []
+        scopes = [doc.get("scope") for doc in map(_read_json, files) if doc is not None]
+        scopes += self.remote.scopes(key) if self.remote is not None else []
+        found = {scope: self.get(key, scope) for scope in scopes if isinstance(scope, str)}
+        return {scope: verdict for scope, verdict in found.items() if verdict is not None}
 
     def clear(self, key: str | None = None, scope: str | None = None) -> int:
         """Delete one verdict, every verdict of ``key``, or all; the number of files."""
@@ -583,18 +569,6 @@ class VerdictStore:
             except OSError as exc:
                 warn_ignored(path, f"cannot delete: {type(exc).__name__}: {exc}")
         return removed
-
-
-def _env_signer() -> Signer | None:
-    found = signer()
-    if found is None:
-        warn_once(
-            "no-key",
-            f"{CACHE_ENV_VAR} without a key (SAFECOMPILE_CACHE_KEY or SAFECOMPILE_CACHE_KEY_FILE): "
-            "verdicts and torch's portable artifacts are neither written nor read; torch's "
-            "own on-disk caches still are",
-        )
-    return found
 
 
 def _doc_name(key: str, scope: str) -> str:

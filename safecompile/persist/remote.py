@@ -255,15 +255,10 @@ class RemoteVerdicts:
 
         return self.link.run_or(command, False)
 
-    def all(self, key: str) -> dict[str, bytes]:
-        """Every document under ``key``, by scope."""
-        found: dict[Any, Any] = self.link.run_or(lambda r: r.hgetall(self.name(key)), {})
-        out: dict[str, bytes] = {}
-        for field, value in dict(found or {}).items():
-            scope = field.decode("utf-8", "replace") if isinstance(field, bytes) else str(field)
-            if isinstance(value, bytes):
-                out[scope] = value
-        return out
+    def scopes(self, key: str) -> list[str]:
+        """The scopes stored under ``key``."""
+        found: list[Any] = self.link.run_or(lambda r: r.hkeys(self.name(key)), [])
+        return [f.decode("utf-8", "replace") if isinstance(f, bytes) else str(f) for f in found]
 
     def put_blob(self, key: str, name: str, data: bytes) -> bool:
         """Store a (sealed) binary artifact next to ``key``'s verdicts; same TTL."""

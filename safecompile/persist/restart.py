@@ -1,21 +1,14 @@
-"""What a restarted process need not learn again: bucket verdicts, torch's artifacts.
-
-Under ``SAFECOMPILE_CACHE_DIR``, keyed by the guarded code's artifact key plus the
-``Buckets`` policy and the tolerances (a padding verdict depends on both):
-
-- **bucket verdicts**, one per bucket: verified, with its learned output cut (a restart
-  cuts its outputs without running eager, once its first padded output matches the
-  recorded tensors and shapes), or rejected, with why (it runs eager, uncompiled). Shadow
-  checks, when on, still compare with eager: a verdict holds for code, not values;
-- **torch's portable compile artifacts** (``torch.compiler.save_cache_artifacts()``, one
-  sealed blob in ``artifacts/``), written after each warmup and loaded once, before the
-  first compile, unless torch's on-disk cache is the one they were written from.
-
-Nothing here fails a call: a failure is one ``safecompile.cache_file_ignored`` warning.
+"""What a restarted process need not learn again, under ``SAFECOMPILE_CACHE_DIR`` and the
+artifact key plus the ``Buckets`` policy and tolerances (a padding verdict depends on both):
+each bucket's verdict (verified with its output cut, or rejected with why; shadow checks
+still run: a verdict holds for code, not values) and torch's portable compile artifacts
+(one sealed blob in ``artifacts/``, loaded before the first compile unless torch's own
+on-disk cache wrote them). A failure is one ``safecompile.cache_file_ignored`` warning.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -62,8 +55,7 @@ class Persisted:
     """One guarded callable's bucket verdicts and compile artifacts across restarts."""
 
     def __init__(self, target: Callable[..., Any], options: Mapping[str, Any]) -> None:
-        root, self._store = signed_store()
-        self._root = root if self._store is not None else None
+        self._root, self._store = signed_store()  # the root is used only with the store
         self._key = CallKey(target, options)
         self._lock = threading.Lock()
         self._artifacts_checked = False
@@ -84,8 +76,6 @@ class Persisted:
         except Exception as exc:  # never fail a call over a key
             _warn("key", exc)
             return None
-
-    # ---------------------------------------------------------------- buckets
 
     def restore(self, entry: BucketEntry, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """A bucket's first sight in this process: take an earlier process's verdict."""
@@ -148,8 +138,6 @@ class Persisted:
         except Exception as exc:  # a verdict is an optimisation: never fail a call
             _warn("bucket verdict", exc)
 
-    # ---------------------------------------------------------------- torch's artifacts
-
     def load_artifacts(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """Once per process, before the first compile: load torch's portable artifacts
         when the on-disk cache they were written from is not the one in use."""
@@ -158,7 +146,7 @@ class Persisted:
                 return
             self._artifacts_checked = True
         key = self.key(args, kwargs)
-        if self._store is None or self._root is None or key is None:
+        if self._store is None or key is None:
             return
         verdict = self._store.get(key, _ARTIFACTS_SCOPE)
         if verdict is None or verdict.kind != ARTIFACTS:
@@ -187,10 +175,10 @@ class Persisted:
     def save_artifacts(self, name: str) -> None:
         """After a warmup: save every artifact this process compiled or loaded so far."""
         key = self._key.value
-        if self._store is None or self._root is None or key is None:
+        if self._store is None or key is None:
             return
         try:
-            with _compile_lock():
+            with torchcompat.compile_lock() or contextlib.nullcontext():  # guards torch's list
                 saved = torch.compiler.save_cache_artifacts()
             if saved is None:
                 return
@@ -221,8 +209,6 @@ class Persisted:
         assert self._root is not None
         return self._root / "artifacts" / f"{key}.bin"
 
-    # ---------------------------------------------------------------- reset
-
     def forget(self) -> None:
         """``reset()``: drop this key's bucket verdicts and artifacts, learn afresh."""
         key = self._key.value
@@ -240,12 +226,6 @@ class Persisted:
 def _torch_cache_dir() -> str | None:
     value = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     return str(Path(value).absolute()) if value else None
-
-
-def _compile_lock() -> Any:
-    """Dynamo's compile lock (torch's artifact list is guarded by it)."""
-    lock = torchcompat.compile_lock()
-    return lock if lock is not None else threading.Lock()
 
 
 def _warn(what: str, problem: str | BaseException) -> None:
