@@ -209,7 +209,11 @@ class _Branch(_Node):
     def apply(self, obj: Any, lengths: tuple[int, ...], path: str) -> Any:
         if type(obj) is not self.kind or not self._same_keys(obj):
             raise UnpadError(f"{_show(path)} is {_layout(obj)}, expected {self.layout}")
-        values = [_child(obj, self.form, k) for k in self.keys]
+        values = (
+            [getattr(obj, k) for k in self.keys]
+            if self.form == "data"
+            else [obj[k] for k in self.keys]
+        )
         items = [
             c.apply(v, lengths, _join(path, part))
             for c, v, part in zip(self.children, values, self.parts, strict=True)
