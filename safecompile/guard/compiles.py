@@ -1,10 +1,9 @@
 """Compiles in flight, and compile failures persisted across restarts.
 
-:class:`CompileTracker` knows which thread is compiling (single flight: while one
-thread compiles, eager serves every other call, which also keeps clear of a torch race
-where a compiled call racing the install of a new graph misses the cache). Every way
-out of a compile releases it (``finally``), a ``KeyboardInterrupt`` or a dying thread
-included. :class:`KnownFailures` persists "this code fails to compile here" under
+:class:`CompileTracker` knows which thread is compiling (single flight: while one thread
+compiles, eager serves every other call, clear of a torch race where a compiled call
+racing the install of a new graph misses the cache); every way out of a compile releases
+it. :class:`KnownFailures` persists "this code fails to compile here" under
 ``SAFECOMPILE_CACHE_DIR``, keyed by code, torch, Python, device and options.
 """
 
@@ -112,12 +111,6 @@ class KnownFailures:
             f"and device ({verdict.error_type}: {verdict.message}); not retried until "
             "one of them changes or reset()"
         )
-
-    @staticmethod
-    def cache_fault(error: BaseException) -> bool:
-        """Whether a compile failed on what torch read from its remote caches (then it is
-        not the function's failure: see :func:`safecompile.persist.remote.cache_fault`)."""
-        return remote.cache_fault(error)
 
     def persist(
         self, name: str, error: BaseException, args: tuple[Any, ...], kwargs: dict[str, Any]

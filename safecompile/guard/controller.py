@@ -8,7 +8,6 @@ more: ``name``, ``state``, ``stats()``, ``events()``, ``warmup()``, ``wait_warm(
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from safecompile.base import killswitch as ks
@@ -185,7 +184,7 @@ class Controller:
             if e.buckets is not None:
                 e.buckets.clear()
             e.update_gate()
-        e.record(Event(kind=EventKind.RESET, time=time.time(), message="reset()"))
+        e.say(EventKind.RESET, "reset()")
 
     def report(self) -> dict[str, Any]:
         """Everything above as a JSON-serialisable dict, for tools."""

@@ -293,7 +293,7 @@ class Engine:
             self._warn_switch_doubts(value)
         if changed:
             message = f"kill switch: {source} turned this callable off"
-            self._say(
+            self.say(
                 EventKind.DISABLED if disabled else EventKind.ENABLED,
                 message if disabled else "kill switch: no longer applies",
                 details={"source": source} if source else {},
@@ -302,7 +302,7 @@ class Engine:
     def _warn_switch_doubts(self, value: str | bytes | None, *, unmatched: bool = False) -> None:
         """One warning event per doubtful part of a ``SAFECOMPILE_DISABLE`` value."""
         for doubt in ks.unwarned_doubts(value, unmatched=unmatched):
-            self._say(EventKind.SWITCH_WARNING, doubt)
+            self.say(EventKind.SWITCH_WARNING, doubt)
 
     # ------------------------------------------------------------------ events and trips
 
@@ -311,7 +311,7 @@ class Engine:
             self.events.append(event)
         self.sink.event(event)
 
-    def _say(self, kind: EventKind, message: str, *, here: bool = False, **fields: Any) -> None:
+    def say(self, kind: EventKind, message: str, *, here: bool = False, **fields: Any) -> None:
         """Record an event of ``kind`` now (``here``: at the user's function)."""
         where = location_fields(self.location) if here else {}
         self.record(Event(kind=kind, time=time.time(), message=message, **where, **fields))
@@ -331,20 +331,42 @@ class Engine:
         process group, the peers follow at the next safe point (:mod:`.trips`)."""
 
         def event() -> Event:
-            return self._rollback_event(reason, error, message, bucket, graph, max_abs, max_rel)
+            text = ""
+            if error is not None:
+                where, details, explained = self.describe_error(error)
+                text = explained.text
+                if reason is Reason.COMPILE_ERROR:
+                    # the compile_failed event just before says it in full: refer to it
+                    del details["error_message"]
+                    text = f"compile failed: {explained.summary} (see compile_failed)"
+            else:
+                where, details = location_fields(self.location), {}
+            if graph is not None:
+                details["graph"] = graph.id
+                details["graph_inputs"] = graph.label
+            return Event(
+                kind=EventKind.ROLLBACK,
+                reason=reason,
+                time=time.time(),
+                bucket=bucket if bucket is not None else (graph.bucket if graph else None),
+                error_type=error_type_name(error) if error is not None else None,
+                message=truncate(message) if message is not None else text,
+                max_abs_diff=max_abs,
+                max_rel_diff=max_rel,
+                details=details,
+                **where,
+            )
 
         self.trips.trip(reason, event)
 
     def _counted(self, event: Event) -> None:
         """The breaker has just tripped: count it and record its event."""
+        if self.trips.wait is not None:
+            event.details["retry_in_s"] = self.trips.wait
         with self.lock:
             self.tally.rollbacks += 1
-            self.update_gate()
-        wait = self.trips.wait
-        if wait is not None:
-            event.details["retry_in_s"] = wait
-        with self.lock:
             self.tally.last_rollback = event
+            self.update_gate()
         self.record(event)
 
     def restart_speed(self) -> None:
@@ -361,42 +383,6 @@ class Engine:
         self.restart_speed()
         self.update_gate()
 
-    def _rollback_event(
-        self,
-        reason: Reason,
-        error: BaseException | None,
-        message: str | None,
-        bucket: str | None,
-        graph: GraphRecord | None,
-        max_abs: float | None,
-        max_rel: float | None,
-    ) -> Event:
-        text = ""
-        if error is not None:
-            where, details, explained = self.describe_error(error)
-            text = explained.text
-            if reason is Reason.COMPILE_ERROR:
-                # the compile_failed event just before says it in full: refer to it
-                del details["error_message"]
-                text = f"compile failed: {explained.summary} (see compile_failed)"
-        else:
-            where, details = location_fields(self.location), {}
-        if graph is not None:
-            details["graph"] = graph.id
-            details["graph_inputs"] = graph.label
-        return Event(
-            kind=EventKind.ROLLBACK,
-            reason=reason,
-            time=time.time(),
-            bucket=bucket if bucket is not None else (graph.bucket if graph else None),
-            error_type=error_type_name(error) if error is not None else None,
-            message=truncate(message) if message is not None else text,
-            max_abs_diff=max_abs,
-            max_rel_diff=max_rel,
-            details=details,
-            **where,
-        )
-
     def compile_failed(self, error: BaseException, call: Call) -> None:
         """A compile raised (not the user's own error): persist it and say so."""
         self.failures.persist(self.name, error, call.args, call.kwargs)
@@ -404,7 +390,7 @@ class Engine:
         where, details, explained = self.describe_error(error)
         with self.lock:
             self.tally.compile_errors += 1
-        self._say(
+        self.say(
             EventKind.COMPILE_FAILED,
             explained.text,
             reason=Reason.COMPILE_ERROR,
@@ -418,7 +404,7 @@ class Engine:
     def note_warmup_error(self, error: BaseException) -> None:
         """A background warmup example raised eagerly too: eager keeps serving."""
         where, details, explained = self.describe_error(error)
-        self._say(
+        self.say(
             EventKind.WARMUP_FAILED,
             explained.text,
             error_type=error_type_name(error),
@@ -460,7 +446,7 @@ class Engine:
 
     def _compiling(self, compiling: Compiling) -> None:
         """A compile is still running after ~2 s (on the timer's thread)."""
-        self._say(
+        self.say(
             EventKind.COMPILING,
             f"still compiling after {compiling.elapsed():.0f} s: {compiling.graph}",
             here=True,
@@ -497,7 +483,7 @@ class Engine:
         slot.new = [graph] if slot.new is None else [*slot.new, graph]
         where = graph.bucket if graph.bucket is not None else f"graph {graph.id}"
         if graph.compiled:
-            self._say(
+            self.say(
                 EventKind.COMPILED,
                 f"compiled graph {graph.id} ({graph.label}) with {len(breaks)} graph break(s)",
                 here=True,
@@ -507,7 +493,7 @@ class Engine:
             )
         elif first_limit:
             limit = self.opts.rollback.recompile_limit
-            self._say(
+            self.say(
                 EventKind.RECOMPILE_LIMIT,
                 f"{limit} graphs compiled for {graph.code.split('@')[0]} reached "
                 f"max_recompiles={limit}: new graphs run eager from now on; "
@@ -557,7 +543,7 @@ class Engine:
         """A round's verdict: say so; eager won: roll back (``slower``)."""
         limit = self.opts.rollback.slower_ratio
         figures = f"[{decision.low:.3f}, {decision.high:.3f}]"
-        self._say(
+        self.say(
             EventKind.SPEED_VERDICT,
             f"{'eager' if decision.eager else 'compiled'} serves: the whole call, "
             f"compiled/eager median {decision.ratio:.3f}x {figures} over "

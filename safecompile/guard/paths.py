@@ -22,7 +22,6 @@ import contextlib
 import logging
 import sys
 import threading
-import time
 import types
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -32,18 +31,18 @@ import torch
 from safecompile.base import killswitch as ks
 from safecompile.base import torchcompat
 from safecompile.base.errors import ConfigError
-from safecompile.base.model import Event, EventKind, Reason
+from safecompile.base.model import EventKind, Reason
 from safecompile.checks.compare import compare
 from safecompile.checks.snapshot import Snapshot
 from safecompile.checks.speed import Step
 from safecompile.observe.log import Once
 from safecompile.observe.source import (
     exception_chain,
-    location_fields,
     safe_message,
     truncate,
     without_our_frames,
 )
+from safecompile.persist import remote
 from safecompile.shapes.buckets import BucketError
 from safecompile.shapes.table import BucketEntry, BucketStatus, unmark
 
@@ -338,7 +337,8 @@ def recover(e: Engine, call: Call, failure: Exception) -> Any:
     _META_LOG.replay()
     if not isinstance(failure, _COMPILE_ERRORS):
         e.trip(Reason.RUNTIME_ERROR, error=failure, bucket=call.bucket)
-    elif not e.failures.cache_fault(failure):  # else the next call compiles without it
+    # a fault of what torch read from its remote caches: the next call compiles without it
+    elif not remote.cache_fault(failure):
         e.compile_failed(failure, call)
         e.trip(Reason.COMPILE_ERROR, error=failure, bucket=call.bucket)
     return out
@@ -683,17 +683,14 @@ def reject_bucket(
         entry.status = BucketStatus.REJECTED
         entry.why = truncate(why, 300)
     e.persisted.keep_rejected(entry, truncate(why, 300), e.name)
-    e.record(
-        Event(
-            kind=EventKind.BUCKET_REJECTED,
-            reason=Reason.DRIFT,
-            time=time.time(),
-            bucket=entry.label,
-            message=truncate(f"bucket not used: {why}"),
-            max_abs_diff=max_abs,
-            max_rel_diff=max_rel,
-            **location_fields(e.location),
-        )
+    e.say(
+        EventKind.BUCKET_REJECTED,
+        truncate(f"bucket not used: {why}"),
+        here=True,
+        reason=Reason.DRIFT,
+        bucket=entry.label,
+        max_abs_diff=max_abs,
+        max_rel_diff=max_rel,
     )
 
 
