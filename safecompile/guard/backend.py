@@ -1,10 +1,6 @@
-"""Checking ``torch.compile``'s own options early, and building the compiler we wrap.
-
-safecompile hands ``torch.compile`` a backend of its own that wraps the user's: it sees
-every graph as it is compiled (graph breaks, compile time) without a global hook. To keep
-inductor's ``mode``/``options`` while wrapping, we build the same compiler object that
-``torch.compile`` itself would build from them.
-"""
+"""Checking ``torch.compile``'s own options early, and building the compiler we wrap:
+the same compiler object ``torch.compile`` would build from ``mode``/``options``, so they
+keep working behind our backend."""
 
 from __future__ import annotations
 
@@ -29,14 +25,10 @@ __all__ = [
 ]
 
 
-def _known_backends() -> list[str]:
-    return sorted(torch.compiler.list_backends(exclude_tags=()))
-
-
 def _validate_backend(backend: object) -> str | Callable[..., Any]:
     """``backend`` itself, once it is known to be a backend name or a callable."""
     if isinstance(backend, str):
-        known = _known_backends()
+        known = sorted(torch.compiler.list_backends(exclude_tags=()))
         if backend not in known:
             raise ConfigError(
                 f"safe_compile(backend={backend!r}) is not a known backend; "
@@ -157,12 +149,10 @@ def compile_function(
 def own_frame(fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` behind a top frame whose code object no other compiled callable shares.
 
-    torch caches compiled graphs on the code object of the frame it compiles. A bound
-    method (a module's ``forward``) is compiled through a frame torch shares with every
-    other such callable in the process (``wrap_inline``'s ``inner``), or through the
-    method's code, shared by every instance of the class. With a frame of its own,
-    ``reset()`` drops this callable's graphs and never another's. A plain function is
-    its own frame already.
+    torch caches graphs on the code object it compiles; a bound method (a module's
+    ``forward``) is compiled through a frame shared with every other such callable
+    (``wrap_inline``'s ``inner``) or every instance of the class. With a frame of its own,
+    ``reset()`` drops this callable's graphs and never another's.
     """
     if inspect.isfunction(fn):
         return fn

@@ -29,7 +29,6 @@ from safecompile.observe.explain import Explanation, explain
 from safecompile.observe.log import Once, log_event
 from safecompile.observe.progress import Compiling, watch_compile
 from safecompile.observe.source import (
-    SourceLocation,
     dedupe_graph_breaks,
     error_type_name,
     location_fields,
@@ -419,16 +418,10 @@ class Engine:
         error in plain words; the raw text in ``details["error_message"]``."""
         at, generated = location_of_error(error, self.module or self.fn)
         details: dict[str, Any] = {"generated_file": generated} if generated is not None else {}
-        where = location_fields(at or self.location)
-        location = (
-            SourceLocation(where["file"], where.get("line"), where.get("function"))
-            if where
-            else None
-        )
-        explained = explain(error, location)
+        explained = explain(error, at or self.location)
         details["error_kind"] = explained.kind
         details["error_message"] = safe_message(error)
-        return where, details, explained
+        return location_fields(at or self.location), details, explained
 
     def _on_async_breach(
         self, graph: GraphRecord | None, message: str, max_abs: float, max_rel: float

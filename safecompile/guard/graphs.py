@@ -1,13 +1,10 @@
 """Graph identity: one record per graph torch compiles, and the backend that makes them.
 
-torch compiles, caches and runs *graphs*, one per shape, dynamic range, Python value,
-grad mode, dtype, device or train/eval that dynamo guards on. safecompile's backend
-sees each graph as torch compiles it, gives it a :class:`GraphRecord` (its id, its own
-canary countdown and counters) and hands torch back the compiled graph wrapped in a
-small function that, on every run, tells the calling thread's :class:`~._slots.Slot`
-which graph served the call and whether that graph's check is due. Nothing is keyed by
-input shapes, so memory is bounded by the graphs, and a new shape served by an existing
-dynamic graph costs nothing.
+The backend sees each graph as torch compiles it, gives it a :class:`GraphRecord` (its
+id, its canary countdown and counters) and hands torch back the compiled graph wrapped in
+a small function that tells the calling thread's :class:`~.slots.Slot` which graph served
+the call and whether its check is due. Nothing is keyed by input shapes: memory is
+bounded by the graphs (docs/design.md, "Graphs, not shapes").
 """
 
 from __future__ import annotations
@@ -420,14 +417,10 @@ _MODULE_STATE = ("_buffers", "_parameters", "_modules")
 
 
 def outside_effects() -> tuple[tuple[Effect, ...], str | None]:
-    """The Python objects the frame being compiled updates, by dynamo's account of its
-    side effects: objects it was given or reached (a KV cache layer, a config, a list
-    argument, a global's attribute), as :class:`Effect` to find again at run time, and
-    the name of one that has no source to find it by (``None``: every one has).
-
-    Left out: objects the frame creates, module buffers and attributes (a check puts
-    those back itself: :mod:`safecompile.checks.snapshot`), and the frame's own
-    ``*args`` / ``**kwargs`` containers (new on every call)."""
+    """The Python objects the frame being compiled updates (dynamo's record of its side
+    effects) as :class:`Effect`, and the name of one that cannot be found again (``None``:
+    none). Left out: objects the frame creates, module state (a check puts it back
+    itself: :mod:`safecompile.checks.snapshot`), the frame's own ``*args``/``**kwargs``."""
     try:
         dynamo = torchcompat.side_effects()
         if isinstance(dynamo, torchcompat.Missing):
@@ -559,9 +552,8 @@ _IN_PLACE_KWARG = "inplace"
 def mutates_in_place(gm: torch.fx.GraphModule) -> bool:
     """Whether the graph may update a tensor in place (an input, a buffer, a parameter).
 
-    Conservative: any in-place op counts (``add_``, ``x[i] = v``, ``+=`` on a tensor,
-    ``inplace=True``, batch norm updating running statistics while training). A shadow
-    check of such a graph copies the state it may change first, so eager can rerun it.
+    Conservative: any in-place op counts (``add_``, ``x[i] = v``, ``+=``, ``inplace=True``,
+    batch norm while training); a check of such a graph copies that state first.
     """
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method"):
@@ -696,13 +688,9 @@ def _dropout_draws(
 
 
 def random_op(gm: torch.fx.GraphModule) -> str | None:
-    """The first op of the graph that draws random numbers, or ``None``.
-
-    Decided from the ops themselves: ATen marks every op that draws with the tag
-    ``nondeterministic_seeded``; the dropout family draws only with ``p > 0`` while
-    training (``nn.Dropout`` passes ``training`` positionally, and in ``eval()`` it is
-    ``False``).
-    """
+    """The first op of the graph that draws random numbers, or ``None``: ATen tags every
+    op that draws ``nondeterministic_seeded``; the dropout family draws only with ``p > 0``
+    while training."""
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue

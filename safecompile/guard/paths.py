@@ -68,11 +68,9 @@ class _Held(threading.local):
 
 
 class _MetaLogHold(logging.Filter):
-    """Holds torch's ``failed while attempting to run meta`` error log (a traceback per
-    op, logged while dynamo traces a call that fails) when it is logged inside a guarded
-    call: :func:`recover` drops it when eager raises the same error (the user's own bug:
-    eager's error says it all) and hands it on otherwise. Outside guarded calls it
-    passes untouched. Only a record this logger emits pays for the stack walk."""
+    """Holds torch's ``failed while attempting to run meta`` error log (a traceback per op)
+    logged inside a guarded call: :func:`recover` drops it when eager raises too (the
+    user's own bug: eager's error says it all) and hands it on otherwise."""
 
     LOGGER = torchcompat.FAKE_TENSOR_LOGGER
 
@@ -105,8 +103,7 @@ class _MetaLogHold(logging.Filter):
 
 
 def _in_guarded_call() -> bool:
-    """Whether a frame of this module (a guarded call's path) is on the stack, above the
-    filter that asks."""
+    """Whether a frame of this module (a guarded call's path) is on the stack."""
     frame: types.FrameType | None = sys._getframe(2)
     while frame is not None:
         if frame.f_code.co_filename == __file__:
@@ -413,13 +410,9 @@ def warm_call(e: Engine, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
 
 
 def discarded(e: Engine) -> None:
-    """A compiled call's outputs go unused (a warmup call, a check answered by eager).
-
-    Under CUDA graphs, a forward whose outputs carry gradients leaves a backward pending;
-    torch starts a new iteration at the next compiled call only once every pending
-    backward ran, and that one never will: the next calls would miss the CUDA graphs'
-    fast path. ``torch.compiler.cudagraph_mark_step_begin()`` starts the new iteration.
-    Only under CUDA graphs, and only with gradients on (inference starts one per call).
+    """A compiled call's outputs go unused (a warmup call, a check answered by eager):
+    under CUDA graphs with gradients on, its backward would stay pending forever and
+    torch would start no new iteration, so start one (docs/design.md, "Under CUDA graphs").
     """
     if e.cudagraphs and torch.is_grad_enabled():
         with contextlib.suppress(Exception):  # never breaks a call

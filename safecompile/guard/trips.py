@@ -1,16 +1,13 @@
 """Trips: the breaker, this rank's side of the agreement, and the one way back.
 
 - :meth:`Trips.trip` opens the breaker (every call runs eager) or, with a process group,
-  holds the verdict for the next safe point; a drift or a compile error applies at once
-  there too (a drifting path is never served knowingly, a failed compile has nothing to
-  run), and the peers follow at the next safe point;
-- after ``retry_after``, one call on one thread is the half-open trial
-  (:meth:`Trips.claim_trial`, :meth:`Trips.end_trial`); failing, it opens the breaker
+  holds the verdict for the next safe point (a drift or a compile error applies at once:
+  a drifting path is never served knowingly, a failed compile has nothing to run);
+- after ``retry_after``, one call is the half-open trial; failing, it opens the breaker
   again with a longer wait (:meth:`Rollback.next_wait`);
-- :meth:`Trips.safe_point`: this rank's side of the agreement (:class:`.peers.Peers`);
-- :meth:`Trips._retrying` and :meth:`Trips._recovered`: the one recovery routine trials
-  and agreed recoveries share. A trial first restarts the speed verdict, so it times the
-  path it tries; once compiled serves again, the canary and the speed verdict restart.
+- :meth:`Trips._retrying` / :meth:`Trips._recovered`: the one recovery routine trials and
+  agreed recoveries (:meth:`Trips.safe_point`) share. A trial restarts the speed verdict,
+  so it times the path it tries; once compiled serves again, the canary restarts too.
 """
 
 from __future__ import annotations
