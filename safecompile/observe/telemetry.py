@@ -92,7 +92,12 @@ def configure(
 
 # ---------------------------------------------------------------------------- instruments
 
-_GLOBAL = object()  # the key of OpenTelemetry's global providers
+
+class _Global:
+    """The key of OpenTelemetry's global meter provider (weakly referenceable, as providers are)."""
+
+
+_GLOBAL = _Global()
 
 
 class _Instruments:
@@ -157,26 +162,19 @@ def _observations(totals: Counter[tuple[str, str]], label: str) -> list[Observat
     return [Observation(n, {"safecompile.function": f, label: v}) for (f, v), n in totals.items()]
 
 
-# Instruments per meter provider (an SDK meter ignores a second callback on a name).
+# Instruments per meter provider, held weakly (an SDK meter ignores a second callback on a
+# name, so callables reporting to one provider share them).
 _instruments_lock = threading.Lock()
-_instruments_weak: weakref.WeakKeyDictionary[Any, _Instruments] = weakref.WeakKeyDictionary()
-_instruments_kept: dict[int, tuple[Any, _Instruments]] = {}  # providers not weakly referenceable
+_by_provider: weakref.WeakKeyDictionary[object, _Instruments] = weakref.WeakKeyDictionary()
 
 
 def _instruments_of(provider: metrics.MeterProvider | None) -> _Instruments:
-    key: Any = _GLOBAL if provider is None else provider
+    key = _GLOBAL if provider is None else provider
     with _instruments_lock:
-        try:
-            found = _instruments_weak.get(key)
-        except TypeError:
-            found = _instruments_kept[id(key)][1] if id(key) in _instruments_kept else None
+        found = _by_provider.get(key)
         if found is None:
             meter = metrics.get_meter(_SCOPE, __version__, provider, schema_url=SCHEMA_URL)
-            found = _Instruments(meter)
-            try:
-                _instruments_weak[key] = found
-            except TypeError:  # kept for the process's life
-                _instruments_kept[id(key)] = (key, found)
+            found = _by_provider[key] = _Instruments(meter)
         return found
 
 
