@@ -201,7 +201,9 @@ def unwarned_doubts(value: str | bytes | None, *, unmatched: bool = False) -> li
     with SWITCH.lock:
         names = tuple(SWITCH.names)
     found = doubts(value, names, unmatched=unmatched)
-    text = _text(value) if value is not None else "None"
+    if value is None or not found:
+        return []
+    text = _text(value)
     with SWITCH.lock:
         fresh = [(f"{text}\0{p}", d) for p, d in found if f"{text}\0{p}" not in SWITCH.warned]
         SWITCH.warned.update(key for key, _ in fresh)

@@ -436,12 +436,8 @@ def location_fields(where: SourceLocation | None) -> dict[str, Any]:
 
 
 def _break(reason: str, location: SourceLocation | None) -> dict[str, object]:
-    return {
-        "reason": safe_message(reason),
-        "file": location.file if location else None,
-        "line": location.line if location else None,
-        "function": location.function if location else None,
-    }
+    unknown = {"file": None, "line": None, "function": None}
+    return {"reason": safe_message(reason), **unknown, **location_fields(location)}
 
 
 def graph_breaks_of(
