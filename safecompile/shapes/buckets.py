@@ -117,12 +117,11 @@ class Plan:
             for name, shape, dtype in self.key[-1]
         )
         if self.axes == (None,):
-            head = f"{self.label} (length {self.lengths[0]})"
+            shown = f"length {self.lengths[0]}"
         else:
             shown = ", ".join(f"{a} {n}" for a, n in zip(self.axes, self.lengths, strict=True))
-            head = f"{self.label} ({shown})"
         tail = f": {self.reason}" if self.reason else ""
-        return f"{head} [{args}]{tail}"
+        return f"{self.label} ({shown}) [{args}]{tail}"
 
 
 def _axes_text(axes: tuple[str | None, ...], values: tuple[int, ...]) -> str:
@@ -382,13 +381,13 @@ class CutSpec:
 
     def describe(self) -> str:
         """The cuts as text, for events."""
-        found = self.cut_axes
-        if not found:
-            return "nothing cut"
-        if self.axes == (None,):
-            return "; ".join(f"{_show(p)} dims {[d for d, _ in c]}" for p, c in found.items())
-        return "; ".join(
-            f"{_show(p)} dims [{', '.join(f'{d}:{a}' for d, a in c)}]" for p, c in found.items()
+        named = self.axes != (None,)
+        return (
+            "; ".join(
+                f"{_show(p)} dims [{', '.join(f'{d}:{a}' if named else str(d) for d, a in c)}]"
+                for p, c in self.cut_axes.items()
+            )
+            or "nothing cut"
         )
 
 
