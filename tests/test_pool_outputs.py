@@ -100,7 +100,7 @@ def test_a_recurrent_object_in_the_pool_is_checked_without_false_drift() -> None
 
 
 class _Hold:
-    """Stands in for a guarded callable's shadow runner: keeps the async worker busy."""
+    """A job that keeps the async worker busy until released."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
