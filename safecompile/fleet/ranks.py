@@ -1,14 +1,10 @@
-"""Ranks that agree: the guard's :class:`~safecompile.guard.peers.Peers` over a
-``torch.distributed`` process group (docs/fleet.md, "Ranks that agree").
+"""Ranks that agree (docs/fleet.md): the guard's ``Peers`` over a ``torch.distributed`` group.
 
 A safe point never runs a collective on the user's communicator (it would pair with the
-user's own collectives whenever the ranks' call counts differ). Every rank writes one row
-to the c10d store the group was built on, under a key of its own (the callable's channel,
-the group's ranks, the safe point's index, the rank):
-``[index, call, tripped, reason, ready, entered_ms]``. Rows of one index at different
-calls end the agreement (nothing is paired); the lowest tripped rank's reason wins; all
-ranks ready means all try compiled again; an ``entered_ms`` spread past the timeout tells
-a late rank that a peer gave up. A rank that gives up writes an ``ended`` key.
+user's own whenever call counts differ): each rank writes ``[index, call, tripped, reason,
+ready, entered_ms]`` to the group's c10d store under its own key. Rows at different calls
+end the agreement; the lowest tripped rank's reason wins; all ready: all compile again; an
+``entered_ms`` spread past the timeout, or an ``ended`` key, says a peer gave up.
 """
 
 from __future__ import annotations
@@ -140,15 +136,9 @@ class Agreement:
             self.rank, self.world = rank, world
             self.safe_points += 1
             index = self.safe_points
-            code = _CODES.index(local.reason) + 1 if local.reason in _CODES else 0
-            row = [
-                index,
-                call,
-                int(local.tripped),
-                code if local.tripped else 0,
-                int(local.ready),
-                int(self._wall() * 1000),
-            ]
+            tripped = local.tripped and local.reason in _CODES
+            code = _CODES.index(local.reason) + 1 if tripped else 0  # 0: none
+            row = [index, call, int(local.tripped), code, int(local.ready), int(self._wall() * 1e3)]
             try:
                 rows = self._exchange(group, index, row)
                 outcome = _decode(rows, index, call, rank, world, self.timeout)

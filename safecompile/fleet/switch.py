@@ -1,13 +1,9 @@
-"""The fleet kill switch: a watched file or Redis key, polled off the hot path.
-
-``SAFECOMPILE_DISABLE_SOURCE`` names the source (read at each decoration and poll):
-``file:///path`` or an absolute path (the file's text), or ``redis://host:port/db#key``
-(``rediss://``, ``unix:///path.sock?db=0#key``; default key ``safecompile:disable``).
-The text says what ``SAFECOMPILE_DISABLE`` says, one entry a line allowed, ``#`` lines
-dropped; missing means enabled. An unreadable source keeps the last value, with one
-warning per outage. One daemon thread polls every ``SAFECOMPILE_DISABLE_POLL`` seconds
-and hands a new value to :func:`safecompile.base.killswitch.set_watched`, which bumps
-the generation the hot path already compares: no added cost per call.
+"""The fleet kill switch: ``SAFECOMPILE_DISABLE_SOURCE`` names a file (``file:///path`` or an
+absolute path) or a Redis key (``redis://host:port/db#key``, default key
+``safecompile:disable``) whose text says what ``SAFECOMPILE_DISABLE`` says (one entry a line
+allowed; missing: enabled; unreadable: the last value kept, one warning per outage). A
+daemon thread polls it and hands changes to ``killswitch.set_watched``, which bumps the
+generation the hot path already compares: no added cost per call.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""File reads that cannot hang the caller: a timeout, a size limit, regular files only.
-
-A file the operator names may sit on a hung NFS mount or be a FIFO nobody writes to, and
-the thread asking may be ``safe_compile()`` itself. :func:`read_file` opens without
-blocking (a FIFO is then refused) and reads on a worker thread, waiting at most
-``timeout`` seconds; until a hung read returns, reads of the same path fail at once.
+"""File reads that cannot hang the caller (maybe ``safe_compile()`` itself) on a hung NFS
+mount or a FIFO nobody writes to: a worker thread, a timeout, a size limit, regular files.
 """
 
 from __future__ import annotations
@@ -33,11 +29,8 @@ class ReadTimeoutError(OSError):
 
 
 def read_file(path: Path, *, limit: int, timeout: float = READ_TIMEOUT_S) -> bytes | None:
-    """Up to ``limit + 1`` bytes of the regular file ``path`` (a caller that gets more
-    than ``limit`` knows the file is too large); ``None`` when it does not exist.
-
-    :class:`OSError` when it cannot be read or is not a regular file,
-    :class:`ReadTimeoutError` when the read takes longer than ``timeout`` seconds."""
+    """Up to ``limit + 1`` bytes (more than ``limit``: too large) of the regular file
+    ``path``, ``None`` if missing; :class:`OSError` otherwise (a timeout included)."""
     name = str(path)
     return bounded(lambda: _read(name, limit), name, timeout, doing="reading")
 

@@ -460,14 +460,10 @@ def signed_store() -> tuple[Path | None, VerdictStore | None]:
 
 
 class VerdictStore:
-    """Verdicts under ``root/verdicts``: one JSON file per (key, scope; ``""``: the whole
-    function, e.g. ``"bucket=128"``). The last writer of a file wins; what a reader cannot
-    trust is ignored with one warning; a failed write is a warning and ``False``.
-
-    ``remote`` (default: ``SAFECOMPILE_REMOTE_CACHE``'s tier, if any) is read when the
-    local file is missing and written alongside. The operator's key signs every document
-    and verifies it wherever it was read from; without a key the store reads and writes
-    nothing.
+    """Signed verdicts under ``root/verdicts``, one JSON file per (key, scope; ``""``: the
+    whole function); without the operator's key it reads and writes nothing. ``remote``
+    (default: ``SAFECOMPILE_REMOTE_CACHE``'s tier) is read when the file is missing and
+    written alongside. The last writer wins; what cannot be trusted is ignored, warned once.
     """
 
     def __init__(self, root: Path | str, *, remote: RemoteVerdicts | None = _FROM_ENV) -> None:
@@ -661,13 +657,9 @@ def _fresh_lock() -> None:
 
 
 def use_torch_caches(root: Path | str) -> Path:
-    """Point torch's on-disk compile caches at ``root/torch``; the directory in use.
-
-    Sets ``TORCHINDUCTOR_CACHE_DIR``, which torch reads at every cache access and which,
-    unlike a ``torch._inductor.config`` assignment (thread-local), every thread sees. A
-    directory the user chose (not torch's default) is kept. Call it before the first
-    compile: a Triton dir a compile derived already is moved along, dynamo's is not.
-    """
+    """Point torch's on-disk caches at ``root/torch`` unless the user chose a directory; the
+    one in use. An environment variable, as every thread sees it (a config assignment is
+    thread-local); before the first compile, as dynamo's derived dir does not follow."""
     target = (Path(root) / "torch").absolute()
     with _lock:
         env_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")

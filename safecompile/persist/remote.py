@@ -1,12 +1,8 @@
-"""Compile once per fleet: a shared Redis behind torch's remote caches and our verdicts.
-
-``SAFECOMPILE_REMOTE_CACHE=redis://host:port[/db]`` (``rediss://``, ``unix://``; read at
-each decoration) turns on, process-wide, torch's own remote caches (FX-graph, AOTAutograd,
-autotuning: see ``TORCH_FLAGS``) over our transport (:class:`RedisLink`: one short timeout
-and one log event when Redis is down, not torch's ten retries per lookup; every value
-sealed with the operator's key), and a verdict tier (:class:`RemoteVerdicts`) under the
-local verdicts' keys. A flag the user set is kept; without redis-py, a key or a URL that
-parses, one warning says so and everything stays local.
+"""Compile once per fleet: ``SAFECOMPILE_REMOTE_CACHE=redis://host:port[/db]`` (read at each
+decoration) turns on torch's remote caches (``TORCH_FLAGS``; a flag the user set is kept)
+over :class:`RedisLink` (one short timeout and one event when Redis is down, not torch's
+retries per lookup; values sealed with the operator's key), and a verdict tier. Without
+redis-py, a key or a URL that parses, one warning says so and everything stays local.
 """
 
 from __future__ import annotations
@@ -128,9 +124,9 @@ class RedisLink:
         self._client: Any = None
         self._down_until: float | None = None
         self._down = False
-        self.failures = 0  # commands that failed (for tests and reports)
-        self.commands = 0  # commands sent
-        self.seconds = 0.0  # wall time spent in them
+        self.failures = 0  # for tests and reports, as are commands sent and their time
+        self.commands = 0
+        self.seconds = 0.0
         _every_link.add(self)
 
     def run(self, command: Callable[[Any], T]) -> T:
@@ -161,19 +157,13 @@ class RedisLink:
         except RemoteUnavailableError:
             return failed
 
-    @property
-    def available(self) -> bool:
-        """Whether the next command will touch the network (not backing off)."""
-        until = self._down_until
-        return until is None or self._clock() >= until
-
     def _client_now(self) -> Any:
-        if not self.available:
+        until = self._down_until
+        if until is not None and self._clock() < until:
             raise RemoteUnavailableError(f"{self.purpose}: backing off after a failure")
         client = self._client
         if client is None:
-            # Built without the lock: a build that fails reports through _failed(), which
-            # takes it (two threads may build at once; the first one kept wins).
+            # built outside the lock, which _failed() takes; of two builds the first kept wins
             built = self._build()
             with self._lock:
                 if self._client is None:
@@ -181,8 +171,7 @@ class RedisLink:
                 client = self._client
         return client
 
-    def _after_fork(self) -> None:
-        """In a forked child: a fresh lock, and no parent's sockets."""
+    def _after_fork(self) -> None:  # no lock held by a thread that did not fork, no sockets
         self._lock = threading.Lock()
         self._client = None
 

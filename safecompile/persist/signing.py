@@ -1,12 +1,7 @@
-"""Shared storage is code: what is read back from it is authenticated first.
-
-torch unpickles what its caches hold and safecompile acts on its verdicts, so whoever can
-write the cache directory or the remote Redis could run code in every process reading it.
-Each entry written there carries an HMAC-SHA256 under the operator's key
-(``SAFECOMPILE_CACHE_KEY``, at least 16 characters, or ``SAFECOMPILE_CACHE_KEY_FILE``: a
-regular file only this user or root can write, read once per process) over its purpose,
-its name and its bytes, so it cannot be moved to another name or purpose. Without a key
-nothing that would be trusted is read back (docs/security.md).
+"""Shared storage is code (torch unpickles its caches; we act on verdicts), so each entry
+carries an HMAC-SHA256 over its purpose, name and bytes under the operator's key
+(``SAFECOMPILE_CACHE_KEY``, or ``SAFECOMPILE_CACHE_KEY_FILE``: a file only this user or root
+can write); without a key nothing that would be trusted is read back (docs/security.md).
 """
 
 from __future__ import annotations
@@ -78,7 +73,8 @@ class Signer:
     def sign_doc(self, purpose: str, name: str, doc: Mapping[str, Any]) -> dict[str, Any]:
         """``doc`` plus its MAC (over its canonical JSON) in the field ``hmac``."""
         body = {k: v for k, v in doc.items() if k != MAC_FIELD}
-        return {**body, MAC_FIELD: self.mac(purpose, name, _canonical(body)).hex()}
+        text = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str).encode()
+        return {**body, MAC_FIELD: self.mac(purpose, name, text).hex()}
 
     def verify_doc(self, purpose: str, name: str, doc: Mapping[str, Any]) -> None:
         """``ValueError`` unless ``doc`` carries a valid MAC (see :meth:`sign_doc`)."""
@@ -89,13 +85,9 @@ class Signer:
             raise ValueError(f"HMAC does not verify under {self.source} (tampered or another key)")
 
 
-def _canonical(doc: Mapping[str, Any]) -> bytes:
-    return json.dumps(doc, sort_keys=True, separators=(",", ":"), default=str).encode()
-
-
 def signer() -> Signer | None:
-    """The operator's key as a :class:`Signer`, or ``None`` (no key, or an unusable one:
-    one warning). The variables are read at each call; a key file once per path."""
+    """The operator's key, or ``None`` (none; an unusable one: one warning). A key file is
+    read once per path."""
     value = os.environ.get(KEY_ENV_VAR, "")
     if value.strip():
         return _checked(value.strip().encode(), KEY_ENV_VAR)
