@@ -11,13 +11,21 @@ the training step:
 
 Each compiled variant is its own copy of the model with a ``forward`` of its own code
 object (dynamo caches per code object). Every variant first serves ``--warmup`` rounds
-(compiles, canary checks and the speed verdict's first measurements happen there), then
+(compiles, canary checks), then safe_compile alone serves rounds until its speed
+verdict's first round has ended (at most ``--verdict-wait`` seconds: up to ~1,200 calls
+after the 128 warm-up calls; "first verdict" says by which call, or "pending"), then
 ``--rounds`` measured rounds; in each round every variant serves the workload's traffic
-once, the variants in a rotating order, so machine noise hits them alike.
+once, the variants in a rotating order, so machine noise hits them alike. So the table
+is the steady state; the verdict's first round (its probes, and compiled serving until
+it rolls back) is a one-off cost before it.
 
+Each round is timed in wall time and, on one thread on CPU (``--clock cpu``, the
+default there), in the thread's CPU time: every kernel runs on the calling thread then,
+and CPU time leaves out the time the shared machine made the round wait for a core.
 Throughput is read against the better of eager and ``torch.compile`` (the faster by
 median round time): each round's time of that variant over the variant's own time in
-the same round, median over rounds (IQR in brackets). Targets: safe_compile at
+the same round, median over rounds (IQR in brackets), by ``--clock`` and, in the next
+column, by wall time. Targets: safe_compile at
 >= 0.95x of the better on every workload, and still compiled wherever ``torch.compile``
 beats eager by >= 5%. The last columns say how safe_compile ended: its state and how
 many compiled graphs serve (or "all eager" after a rollback), and the share of measured
@@ -175,30 +183,43 @@ QUICK = "mlp-1,tiny6,train"
 class Variant:
     name: str
     fn: Callable[..., Any]
-    times: list[float] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)  # per round, the clock read (--clock)
+    walls: list[float] = field(default_factory=list)  # per round, wall time
 
 
-def serve(fn: Callable[..., Any], traffic: list[Call], cuda: bool = False) -> float:
-    """One round: every call of the traffic, timed as a whole (on CUDA, until the GPU
-    has done the work, not only launched it)."""
+def serve(v: Variant, traffic: list[Call], cpu: bool, cuda: bool = False) -> None:
+    """One round: every call of the traffic, timed as a whole, in wall time and (``cpu``)
+    the thread's CPU time (on CUDA, until the GPU has done the work, not its launch)."""
     if cuda:
         torch.cuda.synchronize()
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.thread_time()
     for args, kwargs in traffic:
-        fn(*args, **kwargs)
+        v.fn(*args, **kwargs)
     if cuda:
         torch.cuda.synchronize()
-    return time.perf_counter() - start
+    wall = time.perf_counter() - start
+    v.walls.append(wall)
+    v.times.append(time.thread_time() - start_cpu if cpu else wall)
 
 
 def interleaved(
-    variants: list[Variant], traffic: list[Call], rounds: int, cuda: bool = False
+    variants: list[Variant], traffic: list[Call], rounds: int, cpu: bool, cuda: bool = False
 ) -> None:
     """``rounds`` rounds, the variants in a rotating order; each round's time kept."""
     for r in range(rounds):
         k = r % len(variants)
         for v in variants[k:] + variants[:k]:
-            v.times.append(serve(v.fn, traffic, cuda))
+            serve(v, traffic, cpu, cuda)
+
+
+def verdict_pending(guarded: Any) -> bool:
+    """Whether safe_compile's speed verdict is still in its first round."""
+    report = guarded.safecompile.report()
+    return (
+        report["speed"] is not None
+        and report["speed"]["rounds"] == 0
+        and (report["state"] not in ("rolled_back", "disabled"))
+    )
 
 
 def on_device(traffic: list[Call], device: str) -> list[Call]:
@@ -208,10 +229,11 @@ def on_device(traffic: list[Call], device: str) -> list[Call]:
     return [pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), call) for call in traffic]
 
 
-def paired_ratio(best: Variant, v: Variant) -> tuple[float, float, float]:
+def paired_ratio(best: Variant, v: Variant, wall: bool = False) -> tuple[float, float, float]:
     """Median (and quartiles) over rounds of best's time / v's time: v's throughput as a
     ratio to the best's, paired within each round."""
-    ratios = [b / t for b, t in zip(best.times, v.times, strict=True)]
+    pairs = zip(best.walls, v.walls, strict=True) if wall else zip(best.times, v.times, strict=True)
+    ratios = [b / t for b, t in pairs]
     if len(ratios) < 2:
         return ratios[0], ratios[0], ratios[0]
     q1, _, q3 = statistics.quantiles(ratios, n=4)
@@ -254,12 +276,20 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
             v.fn = training_step(v.fn)
     started = time.perf_counter()
     cuda = args.device.startswith("cuda")
+    cpu = args.clock == "cpu"
+    safe = variants[2]
     with torch.set_grad_enabled(workload.train):
-        interleaved(variants, traffic, args.warmup, cuda)
+        interleaved(variants, traffic, args.warmup, cpu, cuda)
+        waited = time.perf_counter()
+        while verdict_pending(guarded) and time.perf_counter() - waited < args.verdict_wait:
+            serve(safe, traffic, cpu, cuda)  # safe_compile alone, until its first verdict
+        pending = verdict_pending(guarded)
+        verdict_calls = guarded.safecompile.report()["speed"]["calls"]
         before = guarded.safecompile.stats()
         for v in variants:
             v.times.clear()
-        interleaved(variants, traffic, args.rounds, cuda)
+            v.walls.clear()
+        interleaved(variants, traffic, args.rounds, cpu, cuda)
     after = guarded.safecompile.stats()
     eager_v, compile_v, _ = variants
     best = min((eager_v, compile_v), key=lambda v: statistics.median(v.times))
@@ -271,6 +301,8 @@ def run(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "median_s": {v.name: statistics.median(v.times) for v in variants},
         "best": best.name,
         "ratio": {v.name: paired_ratio(best, v) for v in variants},
+        "wall_ratio": paired_ratio(best, variants[2], wall=True),
+        "first_verdict": "pending" if pending else f"by call {verdict_calls}",
         "compile_gain": paired_ratio(eager_v, compile_v)[0],
         "state": guarded.safecompile.state.value,
         "graphs": graphs_served(guarded),
@@ -298,8 +330,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--workloads", default=None, help=f"default all: {','.join(WORKLOADS)}")
-    parser.add_argument("--rounds", type=int, default=None, help="measured rounds (default 21)")
+    parser.add_argument("--rounds", type=int, default=None, help="measured rounds (default 31)")
     parser.add_argument("--warmup", type=int, default=None, help="rounds first (default 10)")
+    parser.add_argument(
+        "--verdict-wait",
+        type=float,
+        default=None,
+        help="then at most this many seconds of safe_compile alone until its speed verdict's "
+        "first round ends (default 20; 0 with --quick)",
+    )
+    parser.add_argument(
+        "--clock",
+        choices=("cpu", "wall"),
+        default=None,
+        help="what ranks and compares the variants: the thread's CPU time (default on one "
+        "thread on CPU) or wall time (the default otherwise); the other table column is "
+        "always wall time",
+    )
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--mode", default=None, help="torch.compile's mode, for both")
@@ -307,8 +354,12 @@ def main() -> None:
         "--quick", action="store_true", help=f"smoke run: {QUICK}, 3 rounds, small traffic"
     )
     args = parser.parse_args()
-    args.rounds = args.rounds or (3 if args.quick else 21)
+    args.rounds = args.rounds or (3 if args.quick else 31)
     args.warmup = args.warmup or (2 if args.quick else 10)
+    if args.verdict_wait is None:
+        args.verdict_wait = 0.0 if args.quick else 20.0
+    if args.clock is None:
+        args.clock = "cpu" if args.threads == 1 and args.device == "cpu" else "wall"
     names = [
         w.strip()
         for w in (args.workloads or (QUICK if args.quick else ",".join(WORKLOADS))).split(",")
@@ -322,15 +373,18 @@ def main() -> None:
     print(
         f"torch {torch.__version__}, backend={args.backend}, mode={args.mode}, "
         f"device={args.device}, threads={torch.get_num_threads()}, "
-        f"{args.warmup} warmup + {args.rounds} measured rounds, variants interleaved; "
+        f"{args.warmup} warmup rounds, safe_compile alone up to {args.verdict_wait:.0f} s "
+        f"until its first speed verdict, {args.rounds} measured rounds, variants interleaved, "
+        f"clock={args.clock}; "
         f"load average {os.getloadavg()[0]:.2f} at start",
         flush=True,
     )
     print(
         "\n| workload | calls/round | eager ms/round | torch.compile ms/round | safe_compile "
         "ms/round | better of the two | torch.compile vs eager | safe_compile vs better "
-        "(IQR) | safe_compile state | graphs serving | eager share | targets |\n"
-        "|---|---|---|---|---|---|---|---|---|---|---|---|"
+        "(IQR) | same, wall time (IQR) | first verdict | safe_compile state | graphs serving "
+        "| eager share | targets |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
     )
     for name in names:
         r = run(name, args)
@@ -338,7 +392,8 @@ def main() -> None:
         print(
             f"| {r['describe']} | {r['calls']} | {ms[EAGER]:.2f} | {ms[COMPILE]:.2f} | "
             f"{ms[SAFE]:.2f} | {r['best']} | {r['compile_gain']:.2f}x | {cell(r['ratio'][SAFE])} "
-            f"| {r['state']} | {r['graphs']} | {r['eager_share']:.1%} | {verdict(r)} |",
+            f"| {cell(r['wall_ratio'])} | {r['first_verdict']} | {r['state']} | {r['graphs']} "
+            f"| {r['eager_share']:.1%} | {verdict(r)} |",
             flush=True,
         )
     print(
