@@ -1,33 +1,17 @@
 """The speed verdict: is the compiled path slower than eager, for the call the user makes?
 
-It judges the *whole call* on the compiled path (dynamo, guards, wrappers, every graph
-and the eager code between them, bucket padding) against the same call run eagerly
-(the original function, no dynamo). Both arms are live calls: a call routed to eager
-(a *probe*) gives its caller eager's values, side effects and gradients.
-
-A round times *pairs*: two live calls of the same group (the caller's key: the same
-graphs serve them), one on each arm; the partner must come within ``4 * stride`` calls
-or the half pair is dropped; the opening arm alternates, and a pair opens at most every
-``stride`` calls. At ``min_pairs``, each doubling of it and ``max_pairs`` (few looks, so
-that looking often does not multiply the false verdicts), :func:`decide` reads the
-ratios ``compiled / eager``: a distribution-free confidence interval for their median
-(the sign test's order statistics) says "eager wins" when its lower end is above
-``ratio``, "compiled stays" when its upper end is at most ``ratio``. Undecided at
-``max_pairs``, the median decides, but eager wins only where the interval says it is
-faster at all (lower end above 1). Ratios are scale-free, so groups pool into one verdict.
-
-After a verdict for compiled, the next round waits ``pairs / budget`` calls, doubled for
-each round that agreed with the last (up to ``max_backoff`` times): at steady state at
-most ``budget`` of the calls are probes. A verdict for eager is the caller's to act on;
-:meth:`CallSpeed.restart` measures from scratch when the compiled path serves again.
-
-The statistics and the plan are pure; the caller times the calls, with :func:`call_clock`.
+It pairs live calls of a group, one on the whole compiled path, one on the original
+function (a *probe*: its caller gets eager's values, side effects and gradients), and
+reads the sign test's distribution-free interval for the median ``compiled / eager`` at
+few looks per round, with a bounded share of probes and a backoff between rounds (the
+rules and their error rates: docs/speed.md). Pure: the caller times, with :func:`call_clock`.
 """
 
 from __future__ import annotations
 
 import enum
 import functools
+import itertools
 import math
 import statistics
 import threading
@@ -38,15 +22,7 @@ from typing import Any
 
 import torch
 
-__all__ = [
-    "CallSpeed",
-    "Decision",
-    "SpeedPolicy",
-    "Step",
-    "call_clock",
-    "decide",
-    "median_interval",
-]
+__all__ = ["CallSpeed", "Decision", "SpeedPolicy", "Step", "call_clock", "decide"]
 
 
 def call_clock() -> float:
@@ -76,24 +52,16 @@ class SpeedPolicy:
     max_backoff: int = 64  # the gap between rounds grows up to this many times
     confidence: float = 0.99  # per look
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # Rollback checks what users pass; this, the defaults
+        counts = (self.min_pairs, self.max_pairs, self.stride, self.max_backoff)
+        if not all(type(v) is int and v >= 1 for v in counts) or self.max_pairs < self.min_pairs:
+            raise ValueError(f"min_pairs <= max_pairs, stride, max_backoff: ints >= 1: {self}")
+        if type(self.warm_calls) is not int or self.warm_calls < 0:
+            raise ValueError(f"warm_calls must be an int >= 0: {self}")
         if not (math.isfinite(self.ratio) and self.ratio > 0):
-            raise ValueError(f"ratio must be a finite number > 0, got {self.ratio!r}")
-        for name in ("min_pairs", "max_pairs", "stride", "max_backoff"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if self.max_pairs < self.min_pairs:
-            raise ValueError(f"max_pairs must be >= min_pairs, got {self.max_pairs!r}")
-        if isinstance(self.warm_calls, bool) or self.warm_calls < 0:
-            raise ValueError(f"warm_calls must be an int >= 0, got {self.warm_calls!r}")
-        if not 0.0 < self.budget <= 1.0:
-            raise ValueError(f"budget must be in (0, 1], got {self.budget!r}")
-        if not 0.5 <= self.confidence < 1.0:
-            raise ValueError(f"confidence must be in [0.5, 1), got {self.confidence!r}")
-
-
-# ---------------------------------------------------------------- statistics
+            raise ValueError(f"ratio must be a finite number > 0: {self}")
+        if not (0.0 < self.budget <= 1.0 and 0.5 <= self.confidence < 1.0):
+            raise ValueError(f"budget must be in (0, 1], confidence in [0.5, 1): {self}")
 
 
 def median_interval(
@@ -107,12 +75,8 @@ def median_interval(
     ordered = sorted(values)
     n = len(ordered)
     middle = float(statistics.median(ordered))
-    alpha = (1.0 - confidence) / 2.0
-    k = 0  # the largest k with P(Bin(n, 1/2) < k) <= alpha
-    cumulative = math.comb(n, 0) / 2.0**n
-    while k < (n + 1) // 2 and cumulative <= alpha:
-        k += 1
-        cumulative += math.comb(n, k) / 2.0**n
+    cdf = itertools.accumulate(math.comb(n, j) / 2.0**n for j in range((n + 1) // 2))
+    k = sum(p <= (1.0 - confidence) / 2.0 for p in cdf)  # P(Bin(n, 1/2) < k) within the tail
     if k == 0:
         return -math.inf, middle, math.inf
     return ordered[k - 1], middle, ordered[n - k]
@@ -120,9 +84,8 @@ def median_interval(
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """What the pairs of a round say. ``eager``: ``True`` eager wins, ``False`` compiled
-    stays, ``None`` not decided yet. ``ratio`` is the median of ``compiled / eager``,
-    ``low``/``high`` its confidence interval, ``pairs`` how many pairs it read."""
+    """What a round's pairs say: ``eager`` True (eager wins), False (compiled stays) or None
+    (undecided); the median ``compiled / eager``, its interval, the pairs read."""
 
     eager: bool | None
     ratio: float
@@ -131,13 +94,9 @@ class Decision:
     pairs: int
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "verdict": None if self.eager is None else ("eager" if self.eager else "compiled"),
-            "ratio": _round(self.ratio),
-            "low": _round(self.low),
-            "high": _round(self.high),
-            "pairs": self.pairs,
-        }
+        verdict = None if self.eager is None else ("eager" if self.eager else "compiled")
+        figures = {name: _round(getattr(self, name)) for name in ("ratio", "low", "high")}
+        return {"verdict": verdict, **figures, "pairs": self.pairs}
 
 
 def ratios(pairs: Sequence[tuple[float, float]]) -> list[float]:
@@ -162,7 +121,8 @@ def decide(
     n = len(found)
     low, middle, high = median_interval(found, policy.confidence)
     verdict: bool | None = None
-    if _is_look(n, policy):
+    multiple, rest = divmod(n, policy.min_pairs)  # looks: min_pairs, its doublings, max_pairs
+    if n >= policy.max_pairs or (multiple > 0 and rest == 0 and multiple & (multiple - 1) == 0):
         if low > policy.ratio:
             verdict = True
         elif high <= policy.ratio:
@@ -171,17 +131,6 @@ def decide(
             # the last read: the median decides, but no rollback unless eager is faster at all
             verdict = current_eager or (middle > policy.ratio and low > 1.0)
     return Decision(verdict, middle, low, high, n)
-
-
-def _is_look(n: int, policy: SpeedPolicy) -> bool:
-    """At ``min_pairs``, each doubling of it, and ``max_pairs``."""
-    if n >= policy.max_pairs:
-        return True
-    multiple, rest = divmod(n, policy.min_pairs)
-    return multiple > 0 and rest == 0 and multiple & (multiple - 1) == 0
-
-
-# ---------------------------------------------------------------- the callable's verdict
 
 
 class Step(enum.Enum):
@@ -203,12 +152,9 @@ class _Half:
 
 
 class CallSpeed:
-    """The speed verdict of one guarded callable (see the module doc); thread-safe.
-
-    The caller counts calls with :meth:`add` (cheaply, in batches), asks :meth:`plan`
-    on the calls it routes here while :attr:`wants` is true, and reports each timed call
-    with :meth:`record` (or :meth:`abandon`).
-    """
+    """The speed verdict of one guarded callable; thread-safe. The caller counts calls with
+    :meth:`add` (in batches), asks :meth:`plan` while :attr:`wants` is true, and reports
+    each timed call with :meth:`record` (or :meth:`abandon`)."""
 
     def __init__(self, policy: SpeedPolicy) -> None:
         self.policy = policy
@@ -229,8 +175,7 @@ class CallSpeed:
         self.last: Decision | None = None
 
     def add(self, calls: int) -> int:
-        """Count ``calls`` more calls; returns how many more may pass before a call
-        should come to :meth:`plan` (0: now, :attr:`wants` is true)."""
+        """Count ``calls`` more calls; returns how many more may pass before :meth:`plan`."""
         with self._lock:
             self.calls += calls
             if not self.measuring and self.calls >= self._round_at:
@@ -254,8 +199,7 @@ class CallSpeed:
         return max(left, 0)
 
     def plan(self, key: Hashable) -> Step:
-        """What this call (already counted) does. ``key`` groups like calls (the same
-        graphs, bucket, shapes): a pair's two calls share it."""
+        """What this call (already counted) does; a pair's two calls share ``key``."""
         with self._lock:
             if not self.measuring or self._in_flight or self._left() > 0:
                 return Step.UNTIMED
@@ -274,8 +218,7 @@ class CallSpeed:
             return Step.TIME_EAGER if eager else Step.TIME_COMPILED
 
     def abandon(self) -> None:
-        """A timed call could not be timed (it raised, compiled, or ran eagerly): forget
-        it, and the pair it belonged to."""
+        """A timed call could not be timed (it raised, compiled, ran eagerly): drop its pair."""
         with self._lock:
             self._in_flight = False
             self._half = None
@@ -315,8 +258,7 @@ class CallSpeed:
         self._round_at = self.calls + math.ceil(decision.pairs / self.policy.budget) * backoff
 
     def restart(self) -> None:
-        """Measure from scratch (the compiled path serves again after a trip): a new
-        round starts after the warm-up."""
+        """Measure from scratch after the warm-up (the compiled path serves again)."""
         with self._lock:
             self.measuring = False
             self._half = None
