@@ -298,9 +298,9 @@ def test_a_graph_no_check_can_copy_for_is_a_drift_warning(
 ) -> None:
     """A graph updating an object that a shadow check cannot find to copy: the drift
     check warns that safe_compile's state will read ``unchecked``, and names it."""
-    from safecompile.doctor import measure as doctor_measure
+    from safecompile.guard import graphs
 
-    monkeypatch.setattr(doctor_measure, "outside_effects", lambda: ((), "L['cache'].layers[0]"))
+    monkeypatch.setattr(graphs, "outside_effects", lambda: ((), "L['cache'].layers[0]"))
     code, report = run(tmp_path, spec("clean"), "--backend", "eager", "--quick")
 
     assert code == 0

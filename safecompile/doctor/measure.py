@@ -31,7 +31,7 @@ from safecompile.checks.compare import compare
 from safecompile.checks.timing import LatencyWindow
 from safecompile.compose import safe_compile
 from safecompile.guard.backend import backend_name, build_compiler, validate_compile_options
-from safecompile.guard.graphs import RecordedGraph, Recorder, outside_effects
+from safecompile.guard.graphs import Recorder
 from safecompile.observe.progress import spinner
 from safecompile.observe.source import dedupe_graph_breaks, location_of_function
 
@@ -59,17 +59,6 @@ _MAX_TIMED = 4  # examples timed (the first ones)
 #: Longest silence between the doctor's progress lines while it times (seconds); compiles
 #: say so on their own (:func:`~safecompile.observe.progress.spinner`).
 PROGRESS_EVERY_S = 5.0
-
-
-def _unchecked(graphs: list[RecordedGraph]) -> tuple[str, ...]:
-    """Why safe_compile's shadow checks would skip each graph that cannot be checked."""
-    out = []
-    for n, g in enumerate(graphs, 1):
-        if g.random_op is not None:
-            out.append(f"graph {n}: it draws random numbers ({g.random_op})")
-        elif g.lost is not None:
-            out.append(f"graph {n}: it updates a Python object a check cannot copy ({g.lost})")
-    return tuple(out)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +100,6 @@ def diagnose(
     recorder = Recorder(
         build_compiler(plan.backend, mode=plan.mode, options=plan.options, dynamic=plan.dynamic),
         backend_name(plan.backend),
-        effects=outside_effects,  # this module's name, so a test can replace it
     )
     try:
         guarded: Any = safe_compile(
@@ -161,7 +149,9 @@ def diagnose(
             {**b, "source": source_line(b.get("file"), b.get("line"))} for b in breaks
         ),
         random_op=next((g.random_op for g in graphs if g.random_op is not None), None),
-        unchecked=_unchecked(graphs),
+        unchecked=tuple(
+            f"graph {n}: {g.unchecked}" for n, g in enumerate(graphs, 1) if g.unchecked
+        ),
         timing=tuple(timing),
         failure=session.failure,
     )

@@ -48,6 +48,7 @@ __all__ = [
     "random_op",
     "time_tracing",
     "trace_started",
+    "unchecked_reason",
 ]
 
 
@@ -283,17 +284,7 @@ class GuardBackend:
             else:
                 inner = gm.forward  # past the recompile limit: the traced graph, eagerly
             random = random_op(gm)
-            effects, lost = outside_effects()
-            unchecked = None
-            if random is not None:
-                unchecked = (
-                    f"the graph draws random numbers ({random}): compiled and eager streams differ"
-                )
-            elif lost is not None:
-                unchecked = (
-                    f"the call updates a Python object that cannot be found again to copy "
-                    f"({lost}): eager cannot rerun it without applying the update twice"
-                )
+            effects, unchecked = unchecked_reason(random)
             record = hooks.table.add(
                 label=describe_inputs(gm),
                 code=code,
@@ -440,6 +431,23 @@ def outside_effects() -> tuple[tuple[Effect, ...], str | None]:
     except Exception as exc:  # not readable: a check cannot know what to put back
         return (), f"dynamo's record of side effects ({type(exc).__name__})"
     return tuple(found), None
+
+
+def unchecked_reason(random: str | None) -> tuple[tuple[Effect, ...], str | None]:
+    """What the frame being compiled updates (:func:`outside_effects`), and why a shadow
+    check must skip its graph (``random``: the graph's :func:`random_op`); ``None``: it need not."""
+    effects, lost = outside_effects()
+    if random is not None:
+        return (
+            effects,
+            f"the graph draws random numbers ({random}): compiled and eager streams differ",
+        )
+    if lost is not None:
+        return effects, (
+            f"the call updates a Python object that cannot be found again to copy "
+            f"({lost}): eager cannot rerun it without applying the update twice"
+        )
+    return effects, None
 
 
 def _effect_of(var: Any, dynamo: torchcompat.SideEffects, packed: set[str]) -> Effect | str | None:
@@ -713,32 +721,25 @@ class RecordedGraph:
     breaks: tuple[dict[str, object], ...]  # its graph breaks, the resumed side included
     random_op: str | None  # an op that draws random numbers, if any
     compile_s: float  # time in the wrapped compiler
-    lost: str | None = None  # an object it updates that a check cannot find to copy
+    unchecked: str | None = None  # why safe_compile's shadow checks would skip it
 
 
 class Recorder:
     """A backend for the tools (the doctor, ``assert_compiles``): notes each graph, then
     compiles it with ``compiler``. The guard's own backend is :class:`GuardBackend`."""
 
-    def __init__(
-        self,
-        compiler: Callable[..., Any],
-        label: str = "recorder",
-        *,
-        effects: Callable[[], tuple[Any, str | None]] | None = None,
-    ) -> None:
+    def __init__(self, compiler: Callable[..., Any], label: str = "recorder") -> None:
         self.graphs: list[RecordedGraph] = []
         self._compiler = compiler
-        self._effects = effects or outside_effects  # what the frame updates (see there)
         self.__name__ = label
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         breaks = tuple(graph_breaks_of(gm, include_resumed=True))
         random = random_op(gm)
-        _, lost = self._effects()
+        _, unchecked = unchecked_reason(random)
         started = time.perf_counter()
         try:
             return self._compiler(gm, example_inputs)
         finally:
             elapsed = time.perf_counter() - started
-            self.graphs.append(RecordedGraph(breaks, random, elapsed, lost))
+            self.graphs.append(RecordedGraph(breaks, random, elapsed, unchecked))
