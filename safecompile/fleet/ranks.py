@@ -88,8 +88,7 @@ class Agreement:
         self.world: int | None = None
 
     def holds(self) -> bool:
-        """Whether a local trip waits for the next safe point (not once the agreement
-        ended, nor with ``group=True`` before torch.distributed is initialized)."""
+        """Whether a local trip waits for the next safe point (an agreement, and a group)."""
         return self.broken is None and self._resolve() is not None
 
     def hold(self, event: Event) -> None:
@@ -107,8 +106,7 @@ class Agreement:
     def counting(
         self, guarded: Callable[..., Any], safe_point: Callable[[int], None]
     ) -> Callable[..., Any]:
-        """``guarded`` with a safe point before every ``every``-th call after the first;
-        every call on every path counts, so ranks making the same calls meet there."""
+        """``guarded`` with a safe point before every ``every``-th call (any path counts)."""
         calls = self._calls
         every = self.every
 

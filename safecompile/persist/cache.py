@@ -76,8 +76,7 @@ _lock = threading.Lock()
 
 
 def cache_root() -> Path | None:
-    """``$SAFECOMPILE_CACHE_DIR`` as an absolute path (``~`` and ``$VARS`` expanded), or
-    ``None`` when it is unset or empty. Read at each call; creates nothing."""
+    """``$SAFECOMPILE_CACHE_DIR`` expanded and absolute, ``None`` if unset; creates nothing."""
     value = os.environ.get(CACHE_ENV_VAR, "").strip()
     if not value:
         return None
@@ -122,9 +121,6 @@ def _root_problem(root: Path) -> str | None:
     except OSError as exc:
         return f"cannot write there: {type(exc).__name__}: {exc}"
     return None
-
-
-# ---------------------------------------------------------------- keys
 
 
 def environment(device: str | torch.device = "cpu") -> dict[str, str]:
@@ -187,8 +183,7 @@ def artifact_key(
     device: str | torch.device = "cpu",
     extra: Mapping[str, Any] | None = None,
 ) -> str:
-    """A stable hash (hex) of everything that invalidates ``fn``'s compiled artifacts and
-    verdicts: :func:`environment`, :func:`code_fingerprint` and torch.compile's options."""
+    """A hex hash of what makes ``fn``'s artifacts stale: environment, code, compile options."""
     parts = {
         "environment": environment(device),
         "code": code_fingerprint(fn),
@@ -205,8 +200,7 @@ def artifact_key(
 
 
 class CallKey:
-    """One guarded callable's :func:`artifact_key`, made at its first call (for the device
-    of its first tensor)."""
+    """One callable's :func:`artifact_key`, made at its first call (its first tensor's device)."""
 
     def __init__(self, target: Callable[..., Any], options: Mapping[str, Any]) -> None:
         self._target = target
@@ -407,13 +401,9 @@ def _stable(value: object, depth: int = 0) -> str:
     return text
 
 
-# ---------------------------------------------------------------- verdicts
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Verdict:
-    """Something learned about a function under one artifact key, kept across restarts,
-    e.g. ``kind="compile_failed"`` with the error. JSON-serialisable; no tensor values."""
+    """What was learnt about a function under one artifact key (``kind="compile_failed"``)."""
 
     kind: str
     time: float  # wall-clock seconds since the epoch
@@ -515,8 +505,7 @@ class VerdictStore:
         return verdict
 
     def put(self, key: str, verdict: Verdict, scope: str = "") -> bool:
-        """Persist ``verdict`` for ``(key, scope)`` atomically, signed; ``False`` if it
-        failed (or there is no key)."""
+        """Write ``verdict`` for ``(key, scope)``, signed; ``False`` if it was not written."""
         if self.signer is None:
             return False
         doc = {
@@ -651,9 +640,6 @@ def _write_atomic(path: Path, data: bytes) -> bool:
 def _fresh_lock() -> None:
     global _lock
     _lock = threading.Lock()
-
-
-# ---------------------------------------------------------------- torch's caches
 
 
 def use_torch_caches(root: Path | str) -> Path:

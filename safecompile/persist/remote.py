@@ -210,9 +210,8 @@ class RedisLink:
 
 
 class RemoteVerdicts:
-    """Verdict documents in Redis (the local store's, checked by it alike): one hash per
-    artifact key, one field per scope. A put refreshes the TTL, so an old stack's verdicts
-    age out; every method answers "nothing" when Redis cannot be used."""
+    """The local store's documents in Redis, a hash per key, a field per scope; each put
+    refreshes the TTL (an old stack's verdicts age out). Redis down: "nothing"."""
 
     def __init__(self, link: RedisLink, *, ttl: float = VERDICT_TTL_S) -> None:
         self.link = link
@@ -355,9 +354,6 @@ def _warn_once(url: str, reason: str) -> None:
     )
 
 
-# ---------------------------------------------------------------- torch's remote caches
-
-
 _undo: list[Callable[[], None]] = []  # what use_torch_remote_caches changed, for reset()
 
 
@@ -382,13 +378,9 @@ def _fresh_locks() -> None:
 
 
 def use_torch_remote_caches(link: RedisLink, key: Signer) -> list[str]:
-    """Switch torch's remote caches on over ``link``; the flags now on.
-
-    ``link`` becomes the backend of torch's ``RedisRemoteCache`` (every remote cache
-    derives from it); values are sealed with ``key`` and verified before torch unpickles
-    them. Each flag is set for every thread (its environment variable, and the config
-    entry's default when already imported: assignments are thread-local) unless the user
-    set it."""
+    """Make ``link`` the transport of torch's ``RedisRemoteCache`` (every remote cache derives
+    from it), values sealed with ``key``, and switch each flag the user left unset on for
+    every thread (assignments are thread-local); the flags now on."""
     classes = torchcompat.remote_cache_classes()  # ~0.1 s, only when used
     if isinstance(classes, torchcompat.Missing):
         torch_missing(classes)
@@ -440,9 +432,8 @@ def mark_compile() -> None:
 
 
 def cache_fault(error: BaseException) -> bool:
-    """A compile on this thread failed: whether it read from torch's remote caches since
-    it started. If so the failure is the cache's: torch's reads from Redis stay off in this
-    process (writes go on, so a fresh compile replaces the entry), with one warning."""
+    """Whether a compile that failed on this thread read torch's remote caches: then the
+    fault is theirs, and reads stay off in this process (writes on, to replace it)."""
     if getattr(_reads, "count", 0) <= getattr(_reads, "mark", 0):
         return False
     _reads.mark = getattr(_reads, "count", 0)

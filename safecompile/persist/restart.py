@@ -15,27 +15,19 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from safecompile.base import torchcompat
 from safecompile.observe.log import log_event
+from safecompile.shapes.buckets import Bucketer, BucketError, CutSpec, Plan
+from safecompile.shapes.table import BucketEntry, BucketStatus
 
 from .bounded import read_file
 from .cache import CallKey, Verdict, _write_atomic, signed_store
 
-if TYPE_CHECKING:
-    from safecompile.shapes.buckets import Bucketer, CutSpec, Plan
-    from safecompile.shapes.table import BucketEntry
-
-__all__ = [
-    "ARTIFACTS",
-    "BUCKET_REJECTED",
-    "BUCKET_VERIFIED",
-    "Persisted",
-    "bucket_scope",
-]
+__all__ = ["ARTIFACTS", "BUCKET_REJECTED", "BUCKET_VERIFIED", "Persisted", "bucket_scope"]
 
 BUCKET_VERIFIED = "bucket_verified"
 BUCKET_REJECTED = "bucket_rejected"
@@ -79,8 +71,6 @@ class Persisted:
 
     def restore(self, entry: BucketEntry, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """A bucket's first sight in this process: take an earlier process's verdict."""
-        from safecompile.shapes.table import BucketStatus  # noqa: PLC0415 - _bucketing imports torch's bits
-
         entry.looked_up = True
         key = self.key(args, kwargs)
         if self._store is None or key is None:
@@ -99,9 +89,6 @@ class Persisted:
     def reuse(self, bucketer: Bucketer, plan: Plan, entry: BucketEntry, padded_out: Any) -> bool:
         """A restored, verified bucket's first padded output: rebuild its cut from the
         verdict, no eager run. ``False`` (verify as new) when the output does not match."""
-        from safecompile.shapes.buckets import BucketError  # noqa: PLC0415
-        from safecompile.shapes.table import BucketStatus  # noqa: PLC0415
-
         saved, entry.saved = entry.saved, None
         if saved is None:
             return False
@@ -126,13 +113,8 @@ class Persisted:
         key = self._key.value
         if self._store is None or key is None or entry.key is None:
             return
-        verdict = Verdict(
-            kind=kind,
-            time=time.time(),
-            name=name,
-            message=message,
-            details={"bucket": entry.label, **details},
-        )
+        info = {"bucket": entry.label, **details}
+        verdict = Verdict(kind=kind, time=time.time(), name=name, message=message, details=info)
         try:
             self._store.put(key, verdict, bucket_scope(entry.key))
         except Exception as exc:  # a verdict is an optimisation: never fail a call
@@ -188,20 +170,9 @@ class Persisted:
             assert signing is not None  # no key, no store
             if not _write_atomic(path, signing.seal(_ARTIFACTS_PURPOSE, key, blob)):
                 return
-            self._store.put(
-                key,
-                Verdict(
-                    kind=ARTIFACTS,
-                    time=time.time(),
-                    name=name,
-                    details={
-                        "file": path.name,
-                        "bytes": len(blob),
-                        "torch_cache_dir": _torch_cache_dir(),
-                    },
-                ),
-                _ARTIFACTS_SCOPE,
-            )
+            info = {"file": path.name, "bytes": len(blob), "torch_cache_dir": _torch_cache_dir()}
+            verdict = Verdict(kind=ARTIFACTS, time=time.time(), name=name, details=info)
+            self._store.put(key, verdict, _ARTIFACTS_SCOPE)
         except Exception as exc:
             _warn("compile artifacts", exc)
 
