@@ -307,3 +307,60 @@ def test_a_side_effect_record_that_cannot_be_read_leaves_the_graph_unchecked(
     assert guarded.safecompile.stats().shadow_checks == 0
     assert guarded.safecompile.state is State.UNCHECKED
     assert "record of side effects" in str(skipped(guarded)[0])
+
+
+# ---------------------------------------------------------------- module attributes
+
+
+class Tracker(torch.nn.Module):
+    """Keeps plain attributes: a call counter, a cached tensor and a text it rebinds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.last: torch.Tensor | None = None
+        self.mode = "fresh"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        self.last = x * 2
+        self.mode = "seen"
+        return x.argmax(-1)
+
+
+def test_module_attributes_are_updated_once_and_the_compiled_runs_are_kept() -> None:
+    """A passing check reruns eager on the attributes as they were, then leaves the
+    compiled run's: the counter moves once per call, the cached tensor is compiled's."""
+    backend = KeepOutputs()
+    model = Tracker()
+    guarded = safe_compile(model, backend=backend, shadow=Shadow(canary=3, every=1))
+    x = torch.randn(2, 4)
+    for n in (1, 2, 3):
+        torch.testing.assert_close(guarded(x), x.argmax(-1))
+        assert model.calls == n
+        assert model.mode == "seen"
+        assert model.last is not None
+        torch.testing.assert_close(model.last, x * 2)
+        assert any(model.last is t for t in backend.outputs[-1])
+    stats = guarded.safecompile.stats()
+    assert (stats.shadow_checks, stats.shadow_breaches) == (3, 0), skipped(guarded)
+
+
+def test_drift_in_a_module_attribute_alone_is_caught_and_eager_attributes_kept() -> None:
+    """The output is an integer (unchanged by the drift); the cached tensor drifts: the
+    check compares it, trips, and the module holds eager's attributes, on the breaching
+    call and on the eager calls after the rollback."""
+    model = Tracker()
+    guarded = safe_compile(
+        model, backend=DriftingBackend(scale=1.05), shadow=Shadow(canary=2, every=1)
+    )
+    x = torch.randn(2, 4)
+    for n in (1, 2):
+        torch.testing.assert_close(guarded(x), x.argmax(-1))
+        assert (model.calls, model.mode) == (n, "seen")
+        assert model.last is not None
+        torch.testing.assert_close(model.last, x * 2, rtol=0, atol=0)
+    assert guarded.safecompile.state is State.ROLLED_BACK
+    breach = [e.message for e in guarded.safecompile.events() if e.kind is EventKind.BREACH]
+    assert "Python objects it updates differ" in str(breach[0])
+    assert "last" in str(breach[0])

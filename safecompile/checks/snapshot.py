@@ -29,6 +29,7 @@ def _plain_attrs(module: torch.nn.Module) -> dict[str, Any]:
 @dataclass(slots=True)
 class _ModuleState:
     module: torch.nn.Module
+    name: str  # its path from the guarded module's class, for messages
     buffers: dict[str, torch.Tensor | None]
     attrs: dict[str, Any]
 
@@ -38,10 +39,10 @@ class After:
     """The compiled run's state updates, set aside while eager runs."""
 
     tensors: list[tuple[torch.Tensor, torch.Tensor]]  # (live tensor, compiled's value)
-    # (module, name, compiled's value, eager's value), for rebound buffers and attributes
+    # (module, name, compiled's value, eager's value), for rebound buffers
     rebound: list[tuple[torch.nn.Module, str, torch.Tensor | None, torch.Tensor | None]]
-    attrs: list[tuple[torch.nn.Module, str, Any, Any]]
-    # (the object, what the compiled run left in it, what eager left in it)
+    # (the object, what the compiled run left in it, what eager left in it); a module
+    # whose plain attributes the call rebound is one, keyed by those attributes
     objects: list[tuple[_Object, Any, Any]] = field(default_factory=list)
     left: set[int] = field(default_factory=set)  # ids of tensors a buffer no longer holds
 
@@ -69,23 +70,15 @@ class After:
                 module._buffers.pop(name, None)
             else:
                 module._buffers[name] = buffer
-        for module, name, value, _ in self.attrs:
-            if value is not None or hasattr(module, name):
-                object.__setattr__(module, name, value)
         for o, compiled, _ in self.objects:
             _put(o.obj, o.keys, compiled)
 
-    def compiled_tensors(self) -> list[torch.Tensor | None]:
+    def tensor_states(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """What the compiled run and eager left in the updated tensors and buffers."""
         moved = self._moved()
-        return [v for t, v in self.tensors if id(t) not in moved] + [
-            self.compiled_value(c) for _, _, c, _ in self.rebound
-        ]
-
-    def eager_tensors(self) -> list[torch.Tensor | None]:
-        moved = self._moved()
-        return [t for t, _ in self.tensors if id(t) not in moved] + [
-            e for _, _, _, e in self.rebound
-        ]
+        kept = [(t, v) for t, v in self.tensors if id(t) not in moved]
+        compiled = [v for _, v in kept] + [self.compiled_value(c) for _, _, c, _ in self.rebound]
+        return compiled, [t for t, _ in kept] + [e for _, _, _, e in self.rebound]
 
     def _moved(self) -> set[int]:
         """Tensors updated in place whose place (a buffer, an object's attribute) either
@@ -100,18 +93,6 @@ class After:
                     if v is not compiled.get(k, ABSENT) or v is not eager.get(k, ABSENT)
                 )
         return moved
-
-    def attrs_differ(self) -> str | None:
-        for _, name, compiled, eager in self.attrs:
-            if isinstance(compiled, torch.Tensor) or isinstance(eager, torch.Tensor):
-                continue
-            try:
-                same = bool(compiled == eager)
-            except Exception:
-                same = compiled is eager
-            if not same:
-                return f"module attribute {name} differs after the call"
-        return None
 
 
 @dataclass(slots=True)
@@ -148,10 +129,12 @@ class Snapshot:
             add(arg)
         modules = []
         if module is not None:
-            for sub in module.modules():
+            root = type(module).__name__
+            for path, sub in module.named_modules():
                 for buffer in sub._buffers.values():
                     add(buffer)
-                modules.append(_ModuleState(sub, dict(sub._buffers), _plain_attrs(sub)))
+                name = f"{root}.{path}" if path else root
+                modules.append(_ModuleState(sub, name, dict(sub._buffers), _plain_attrs(sub)))
         return cls(tensors, modules, by_value=by_value)
 
     def add_objects(self, found: list[tuple[str, Any, Keys]], lost: str | None = None) -> None:
@@ -196,21 +179,20 @@ class Snapshot:
                 t.copy_(saved)
         rebound: list[tuple[torch.nn.Module, str, torch.Tensor | None, torch.Tensor | None]]
         rebound = []
-        attrs: list[tuple[torch.nn.Module, str, Any, Any]] = []
+        attrs = []
         for m in self.modules:
             now = m.module._buffers
             rebound.extend((m.module, name, now.get(name), None) for name in _rebound(m))
             now.clear()
             now.update(m.buffers)
-            for name in _changed_attrs(m):
-                attrs.append((m.module, name, getattr(m.module, name, None), None))
-                if name in m.attrs:
-                    object.__setattr__(m.module, name, m.attrs[name])
+            if names := tuple(_changed_attrs(m)):
+                before = {k: m.attrs.get(k, ABSENT) for k in names}
+                attrs.append(_Object(m.name, m.module, names, before, before))
         objects = []
-        for o in self.objects:  # every named object: eager may update what compiled did not
+        for o in [*attrs, *self.objects]:  # every named object: eager may update it alone
             objects.append((o, contents_of(o.obj, o.keys), None))
             _put(o.obj, o.keys, o.copies, unless=o.refs)
-        return After(tensors, rebound, attrs, objects)
+        return After(tensors, rebound, objects)
 
     def settle(self, after: After) -> After:
         """After eager ran: fill in eager's side of every update, for the comparison."""
@@ -229,7 +211,6 @@ class Snapshot:
                 if before is not None
                 and ((id(state.module), name) in listed or now.get(name) is not before)
             )
-        after.attrs = [(m, n, c, getattr(m, n, None)) for m, n, c, _ in after.attrs]
         after.objects = [(o, c, contents_of(o.obj, o.keys)) for o, c, _ in after.objects]
         return after
 
