@@ -524,12 +524,8 @@ def _rounded(value: Any) -> Any:
 
 
 def _log_fields(telemetry: Telemetry, ev: Event) -> dict[str, Any]:
-    """The event as log fields: names, rounded figures and source locations only.
-
-    ``description`` is what happened in plain words; torch's own text, where there is
-    one, is ``error_message`` (once: a rollback after a failed compile refers to the
-    ``compile_failed`` event instead of repeating it).
-    """
+    """The event as log fields: names, rounded figures and source locations only;
+    ``description`` in plain words, torch's own text (its headline) ``error_message``."""
     fields: dict[str, Any] = {"function": telemetry.function, "backend": telemetry.backend}
     read = {
         "reason": ev.reason.value if ev.reason is not None else None,
