@@ -144,9 +144,8 @@ class Agreement:
                 why = f"this rank reached safe point {index} after another had left the agreement"
                 outcome = Outcome(call=call, rank=rank, world=world, failure=f"{why} ({left})")
             except Exception as exc:  # a dead peer, a timeout, a store torn down
-                outcome = Outcome(
-                    call=call, rank=rank, world=world, failure=_why(exc, self.timeout)
-                )
+                failure = _why(exc, self.timeout)
+                outcome = Outcome(call=call, rank=rank, world=world, failure=failure)
             self.broken = outcome.failure
             if outcome.failure is not None:
                 self._leave(group, outcome.failure)  # no-op when a peer left first

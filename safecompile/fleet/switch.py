@@ -206,13 +206,9 @@ class Watcher:
             self._spawn(first=False)
 
     def _spawn(self, *, first: bool) -> None:
-        self._stop = threading.Event()
-        thread = threading.Thread(
-            target=self._run,
-            args=(self._stop, first),
-            name="safecompile-disable-source",
-            daemon=True,
-        )
+        self._stop = stop = threading.Event()
+        name = "safecompile-disable-source"
+        thread = threading.Thread(target=self._run, args=(stop, first), name=name, daemon=True)
         thread.start()
         self._thread = thread
 

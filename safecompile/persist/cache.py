@@ -508,15 +508,9 @@ class VerdictStore:
         """Write ``verdict`` for ``(key, scope)``, signed; ``False`` if it was not written."""
         if self.signer is None:
             return False
-        doc = {
-            "schema": SCHEMA,
-            "version": SCHEMA_VERSION,
-            "key": key,
-            "scope": scope,
-            "verdict": verdict.to_dict(),
-        }
+        head = {"schema": SCHEMA, "version": SCHEMA_VERSION, "key": key, "scope": scope}
         # a JSON round trip first, so the MAC covers exactly what a reader will parse
-        doc = json.loads(json.dumps(doc, default=str))
+        doc = json.loads(json.dumps({**head, "verdict": verdict.to_dict()}, default=str))
         doc = self.signer.sign_doc(_PURPOSE, _doc_name(key, scope), doc)
         data = json.dumps(doc, sort_keys=True, indent=1).encode()
         written = _write_atomic(self.path(key, scope), data)

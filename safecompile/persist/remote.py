@@ -302,9 +302,7 @@ def activate() -> RemoteVerdicts | None:
     try:
         with _lock:
             found = _active.get(url)
-        if found is not None:
-            return found
-        return _first_activation(url)
+        return found if found is not None else _first_activation(url)
     except Exception as exc:  # a cache must never fail a decoration
         _warn_once(url, f"{type(exc).__name__}: {exc}")
         return None
