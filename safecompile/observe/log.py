@@ -20,6 +20,8 @@ from opentelemetry import trace
 
 from safecompile.base.torchcompat import Missing
 
+from .source import truncate
+
 __all__ = [
     "LINE_LIMIT",
     "LOGGER_NAME",
@@ -157,7 +159,7 @@ def readable_line(event: str, fields: Mapping[str, Any], limit: int = LINE_LIMIT
         if place not in description:
             description = f"{description} (at {place})" if description else f"at {place}"
     text = " ".join((f"{head}: {description}" if description else head).split())
-    return text if len(text) <= limit else text[: limit - 1] + "\u2026"
+    return truncate(text, limit)
 
 
 def report_internal_error(where: str, exc: BaseException) -> None:

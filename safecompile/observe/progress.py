@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
+from .source import truncate
+
 __all__ = ["PLAIN_EVERY_S", "SLOW_COMPILE_S", "Compiling", "spinner", "watch_compile"]
 
 #: Seconds after which a compile still running announces itself.
@@ -135,7 +137,7 @@ def watch_compile(
 
 def _text(compiling: Compiling) -> str:
     line = f"compiling {compiling.function} [{compiling.graph}] \u2026 {compiling.elapsed():.0f} s"
-    return line if len(line) <= _LINE_LIMIT else line[: _LINE_LIMIT - 1] + "\u2026"
+    return truncate(line, _LINE_LIMIT)
 
 
 def _wait(done: threading.Event, seconds: float) -> bool:
