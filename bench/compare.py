@@ -47,13 +47,13 @@ Workloads (``--workloads``, comma-separated; default all):
 - ``bert``, ``gpt2``: tiny ``transformers`` BERT and GPT-2 from tests/zoo.py (hidden 32,
   2 layers), batch 8 x seq 32 with an attention mask.
 
-    python bench/compare.py                          # inductor, every workload: 80 s on a warm
-                                                     # FX cache at load 0.8, 5 min cold at load 9
+    python bench/compare.py                          # inductor, every workload: 150-280 s on a
+                                                     # warm FX cache at load 8-10
     python bench/compare.py --workloads mlp-1,bert --rounds 15
     python bench/compare.py --quick                  # smoke run: inductor, 3 workloads
     python bench/compare.py --device cuda --mode reduce-overhead   # on a GPU (bench/gpu.sh)
-    python bench/compare.py --quick --backend aot_eager   # smoke run without inductor: 30 s
-                                                          # at load 5, 2.5 min at load 9
+    python bench/compare.py --quick --backend aot_eager   # smoke run without inductor: 6 s
+                                                          # at load 8, warm caches
 """
 
 from __future__ import annotations
