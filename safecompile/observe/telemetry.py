@@ -248,12 +248,6 @@ class _CallsRegistry:
             self._prune()
             self._entries.add(entry)
 
-    def remove(self, entry: _CallsEntry) -> None:
-        with self._lock:
-            if entry in self._entries:
-                self._entries.discard(entry)
-                entry.retire()
-
     def entries(self) -> list[_CallsEntry]:
         with self._lock:
             self._prune()
@@ -303,7 +297,6 @@ class Telemetry:
         self.backend = backend_name(backend)
         self._tracer_provider = tracer_provider
         self._meter_provider = meter_provider
-        self._calls: _CallsEntry | None = None
 
     # Looked up at each use (events are rare), each on its own: a broken meter provider
     # does not cost the spans.
@@ -478,25 +471,16 @@ class Telemetry:
     ) -> None:
         """Report ``source()`` = ``(compiled_calls, eager_calls)`` as ``safecompile.calls``
         and ``graphs()`` (graphs by check) as ``safecompile.graphs``, read only when a metric
-        reader collects. Both are held weakly: pass bound methods of the object whose life
-        bounds the callable's. Once one, or this ``Telemetry``, is collected, the last counts
-        read stay in the totals (the counter never goes down). A second call replaces the
-        first."""
+        reader collects; called once. Both are held weakly: pass bound methods of the object
+        whose life bounds the callable's. Once one, or this ``Telemetry``, is collected, the
+        last counts read stay in the totals (the counter never goes down)."""
         _guarded("Telemetry.observe_calls", self._observe_calls, source, graphs)
 
     def _observe_calls(
         self, source: Callable[[], tuple[int, int]], graphs: Callable[[], Mapping[str, int]] | None
     ) -> None:
-        self.close()
-        self._calls = _CallsEntry(self, source, graphs)
         self._instruments()  # make sure the observable counter exists on this meter
-        _calls_registry.add(self._calls)
-
-    def close(self) -> None:
-        """Stop reporting call counts (the last counts read stay in the totals)."""
-        entry, self._calls = self._calls, None
-        if entry is not None:
-            _calls_registry.remove(entry)
+        _calls_registry.add(_CallsEntry(self, source, graphs))
 
 
 def _break_attributes(entry: object) -> dict[str, Any]:
