@@ -122,8 +122,7 @@ class Agreement:
         return ranked
 
     def agree(self, local: Local, call: int) -> Outcome | None:
-        """One safe point: exchange verdicts with every rank (blocking, bounded by the
-        timeout). ``None`` when there is no agreement (ended, or no group yet)."""
+        """One safe point with every rank (waits up to the timeout); ``None``: no agreement."""
         with self._lock:
             if self.broken is not None:
                 return None
@@ -163,8 +162,7 @@ class Agreement:
         return group
 
     def _exchange(self, group: Any, index: int, row: list[int]) -> list[list[int]]:
-        """Every rank's row of safe point ``index`` (in rank order), through the store:
-        never a collective on the group itself. Raises on a timeout, or when a peer left."""
+        """Every rank's row of safe point ``index`` through the store; raises if a peer left."""
         store, prefix = self._store(group)
         rank, world = int(group.rank()), int(group.size())
         ended = f"{prefix}/ended"
@@ -237,8 +235,7 @@ _CHANNELS_LOCK = threading.Lock()
 
 
 def _channel(name: str) -> str:
-    """``name#n``: the n-th agreement of that name in this process (every rank decorates
-    in the same order, so the same callable gets the same channel on every rank)."""
+    """``name#n``, the n-th of that name: ranks decorate in the same order, so they agree."""
     with _CHANNELS_LOCK:
         count = _CHANNELS.get(name, 0) + 1
         _CHANNELS[name] = count

@@ -120,9 +120,7 @@ def poll_interval(value: str | None) -> float:
 
 
 def _describe(rule: ks.Rule) -> str:
-    if rule.everything:
-        return "all"
-    return ",".join(rule.patterns) or "nothing"
+    return "all" if rule.everything else ",".join(rule.patterns) or "nothing"
 
 
 class Watcher:
@@ -213,8 +211,7 @@ class Watcher:
         self._thread = thread
 
     def after_fork_in_child(self) -> None:
-        """In a forked child (a pre-fork server's worker): fresh locks (one held at the
-        fork stays held), and the polling thread again if the parent had one."""
+        """In a pre-fork server's worker: fresh locks, and the parent's polling thread again."""
         self._lock = threading.Lock()
         self._poll_lock = threading.Lock()
         polling, self._thread = self._thread is not None, None
@@ -258,8 +255,7 @@ def _fresh_watcher() -> None:
 
 
 def watch() -> None:
-    """At decoration: watch ``SAFECOMPILE_DISABLE_SOURCE`` when set (read now, so the
-    first call obeys it). Never raises."""
+    """Watch ``SAFECOMPILE_DISABLE_SOURCE`` if set, read now so the first call obeys it."""
     if not os.environ.get(SOURCE_ENV_VAR, "").strip():
         return
     try:

@@ -36,9 +36,8 @@ def read_file(path: Path, *, limit: int, timeout: float = READ_TIMEOUT_S) -> byt
 
 
 def bounded(work: Callable[[], T], name: str, timeout: float, *, doing: str = "using") -> T:
-    """``work()`` on a daemon thread, waited for at most ``timeout`` seconds (then
-    :class:`ReadTimeoutError`; while it is still stuck, another call for the same ``name``
-    fails at once). Its exception, if any, is raised here."""
+    """``work()``'s value or exception, waited for ``timeout`` seconds (then, and while it is
+    still stuck for the same ``name``, :class:`ReadTimeoutError`)."""
     with _lock:
         if name in _stuck:
             raise ReadTimeoutError(f"an earlier attempt at {doing} {name} has not returned")

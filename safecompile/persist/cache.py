@@ -219,9 +219,8 @@ class CallKey:
 
 
 def code_fingerprint(fn: Callable[..., Any]) -> str:
-    """A hash of the code ``fn`` runs (not line numbers): code objects, defaults, closures,
-    the user code reached through globals, and for a module its submodules' classes,
-    plain settings and parameter shapes. Library code is keyed by versions. Never raises."""
+    """A hash of the user code ``fn`` runs (not line numbers; libraries are keyed by version)
+    and, for a module, its submodules' classes, settings and parameter shapes. Never raises."""
     walker = _CodeWalker()
     try:
         walker.value(fn)

@@ -48,8 +48,7 @@ VERDICT_PREFIX = "safecompile:v1:verdicts:"
 BLOB_PREFIX = "safecompile:v1:blobs:"
 _SCHEMES = ("redis", "rediss", "unix")
 
-# torch's flags that switch a remote cache on (see torchcompat.REMOTE_CACHE_FLAGS).
-TORCH_FLAGS = torchcompat.REMOTE_CACHE_FLAGS
+TORCH_FLAGS = torchcompat.REMOTE_CACHE_FLAGS  # (environment variable, config module, attribute)
 
 T = TypeVar("T")
 
@@ -102,9 +101,8 @@ _every_link: weakref.WeakSet[RedisLink] = weakref.WeakSet()  # reset in a forked
 
 
 class RedisLink:
-    """One lazily built redis-py client (short timeouts, no retries) behind a breaker:
-    after any failure the next ``retry_after`` seconds fail at once, off the network. One
-    warning per outage, one event when it answers again (neither with ``quiet``)."""
+    """A lazy redis-py client (short timeouts, no retries) behind a breaker: ``retry_after``
+    seconds off the network after a failure; one warning per outage (none if ``quiet``)."""
 
     def __init__(
         self,

@@ -86,8 +86,7 @@ class Signer:
 
 
 def signer() -> Signer | None:
-    """The operator's key, or ``None`` (none; an unusable one: one warning). A key file is
-    read once per path."""
+    """The operator's key, or ``None`` (an unusable one: one warning); a key file read once."""
     value = os.environ.get(KEY_ENV_VAR, "")
     if value.strip():
         return _checked(value.strip().encode(), KEY_ENV_VAR)
