@@ -522,9 +522,10 @@ class VerdictStore:
             files = sorted((self.directory / _key_dir(key)).glob("*.json"))
         except OSError:
             files = []
-        scopes = [doc.get("scope") for doc in map(_read_json, files) if doc is not None]
+        local = (doc.get("scope") for doc in map(_read_json, files) if doc is not None)
+        scopes = [scope for scope in local if isinstance(scope, str)]
         scopes += self.remote.scopes(key) if self.remote is not None else []
-        found = {scope: self.get(key, scope) for scope in scopes if isinstance(scope, str)}
+        found = {scope: self.get(key, scope) for scope in dict.fromkeys(scopes)}  # each once
         return {scope: verdict for scope, verdict in found.items() if verdict is not None}
 
     def clear(self, key: str | None = None, scope: str | None = None) -> int:
