@@ -160,13 +160,8 @@ class RedisLink:
         if until is not None and self._clock() < until:
             raise RemoteUnavailableError(f"{self.purpose}: backing off after a failure")
         client = self._client
-        if client is None:
-            # built outside the lock, which _failed() takes; of two builds the first kept wins
-            built = self._build()
-            with self._lock:
-                if self._client is None:
-                    self._client = built
-                client = self._client
+        if client is None:  # lazy and cheap (it connects at its first command): a race keeps one
+            client = self._client = self._build()
         return client
 
     def _after_fork(self) -> None:  # no lock held by a thread that did not fork, no sockets
