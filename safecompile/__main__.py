@@ -19,6 +19,7 @@ from typing import TypeVar
 
 from . import doctor
 from .doctor import html as _html
+from .doctor.report import DEFAULT_LIMIT
 from .doctor.text import LINE_LIMIT
 
 __all__ = ["main"]
@@ -54,6 +55,7 @@ def _number(
     return parse
 
 
+_DEFAULT = doctor.Settings()
 _positive_int = _number(int, lambda n: n >= 1, "an integer >= 1")
 _count = _number(int, lambda n: n >= 0, "an integer >= 0")
 _ratio = _number(float, lambda x: x > 0, "a number > 0 (inf: never)")  # NaN > 0 is False
@@ -100,9 +102,8 @@ def _parser() -> argparse.ArgumentParser:
     add(
         "--repeat",
         type=_positive_int,
-        default=20,
         metavar="N",
-        help="timing samples per example and path (default 20)",
+        help=f"timing samples per example and path (default {_DEFAULT.repeat})",
     )
     add("--quick", action="store_true", help="skip the shape sweep and the timing")
     add(
@@ -113,23 +114,22 @@ def _parser() -> argparse.ArgumentParser:
     add(
         "--max-graph-breaks",
         type=_count,
-        default=0,
         metavar="N",
-        help="graph breaks allowed before the check fails (default 0)",
+        help=f"graph breaks allowed before the check fails (default {_DEFAULT.max_graph_breaks})",
     )
     add(
         "--max-recompiles",
         type=_positive_int,
         metavar="N",
         help="compiles allowed before new shapes run eager, as Rollback(max_recompiles) "
-        "(default: the target's, else 8)",
+        f"(default: the target's, else {DEFAULT_LIMIT})",
     )
     add(
         "--slower-ratio",
         type=_ratio,
-        default=1.10,
         metavar="X",
-        help="fail when compiled takes more than X times eager's time (default 1.10)",
+        help="fail when compiled takes more than X times eager's time "
+        f"(default {_DEFAULT.slower_ratio:.2f})",
     )
     return parser
 
@@ -179,9 +179,8 @@ def _doctor(args: argparse.Namespace) -> int:
         return _usage_error(problem)
 
     flags = vars(args)  # each flag but --json, --html and --traceback is a Settings field
-    settings = doctor.Settings(
-        **{f.name: flags[f.name] for f in dataclasses.fields(doctor.Settings) if f.name in flags}
-    )
+    given = [f.name for f in dataclasses.fields(doctor.Settings) if flags.get(f.name) is not None]
+    settings = doctor.Settings(**{name: flags[name] for name in given})
 
     def progress(line: str) -> None:
         print(f"doctor: {line}", file=sys.stderr, flush=True)

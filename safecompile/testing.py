@@ -318,7 +318,8 @@ def drain_shadow_checks(timeout: float = 30.0) -> None:
 
 
 def _unwrap(fn: Callable[..., Any]) -> Callable[..., Any]:
-    controller = getattr(fn, "safecompile", None)
-    if controller is not None:
-        return controller._engine.fn  # type: ignore[no-any-return]
-    return fn
+    """What a guarded function or module runs eagerly (a module's own bound forward)."""
+    if getattr(fn, "safecompile", None) is None:
+        return fn
+    inner = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    return inner.__wrapped__  # type: ignore[attr-defined,no-any-return]

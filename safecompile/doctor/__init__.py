@@ -3,7 +3,7 @@
 ``python -m safecompile doctor MODULE:FACTORY``. By concern: :mod:`.target` loads the
 target, :mod:`.measure` runs it next to eager, :mod:`.judge` turns the measurements into
 checks, :mod:`.text` and :mod:`.html` render them (:meth:`Report.to_dict` is the JSON);
-:mod:`.report` holds the records they share and :mod:`.formats` the words they share.
+:mod:`.report` holds the records and the words they share.
 """
 
 from __future__ import annotations

@@ -14,8 +14,7 @@ import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .formats import TAGS, graphs, secs, where
-from .report import Check, Report, Timing
+from .report import Check, Report, Timing, graphs, secs, time_unit, where
 from .text import counts
 
 if TYPE_CHECKING:
@@ -87,7 +86,7 @@ def _checklist(checks: Sequence[Check]) -> str:
     for c in checks:
         details = "".join(f"<li><code>{_e(line)}</code></li>" for line in c.lines)
         rows.append(
-            f'<tr class="{c.status}"><td class="tag">{TAGS[c.status]}</td>'
+            f'<tr class="{c.status}"><td class="tag">{c.status.upper()}</td>'
             f"<th>{_e(c.title)}</th><td>{_e(c.summary)}"
             + (f"<ul>{details}</ul>" if details else "")
             + (f'<p class="advice">what to do: {_e(c.advice)}</p>' if c.status != "skip" else "")
@@ -113,7 +112,7 @@ def _latency(r: Report, figure: type[Figure]) -> str:
         "compiled": [(t.compiled_s, t.compiled_p99_s) for t in r.timing],
     }
     known = [x for values in series.values() for pair in values for x in pair if x is not None]
-    scale, unit = _time_unit(min(known, default=0.0))  # log axis: the small ones read well
+    scale, unit = time_unit(min(known, default=0.0))  # log axis: the small ones read well
 
     def draw(ax: Axes) -> None:
         width = 0.38
@@ -165,7 +164,7 @@ def _compile_times(r: Report, figure: type[Figure]) -> str:
     calls = list(enumerate((*r.examples, *r.sweep), start=1))
     drawn = [(i, c) for i, c in calls if c.graph_s][:_MAX_GRAPHS_PLOTTED]
     if drawn:
-        scale, unit = _time_unit(max(c.seconds or c.backend_s for _, c in drawn))
+        scale, unit = time_unit(max(c.seconds or c.backend_s for _, c in drawn))
 
         def draw(ax: Axes) -> None:
             for y, (_, c) in enumerate(drawn):
@@ -241,7 +240,7 @@ def _graph_breaks(r: Report) -> str:
         return _section("graph-breaks", "Graph breaks", _none(f"none in {r.graphs} graph(s)"))
     rows = []
     for b in r.graph_breaks:
-        place = _code(where(b.get("file"), b.get("line"), b.get("function")))
+        place = f"<code>{_e(where(b.get('file'), b.get('line'), b.get('function')))}</code>"
         source = b.get("source")
         if source:
             place += f"<pre>{_e(b.get('line'))} | {_e(source)}</pre>"
@@ -314,25 +313,12 @@ def _e(value: object) -> str:
     return html.escape("" if value is None else str(value), quote=True)
 
 
-def _code(value: object) -> str:
-    return f"<code>{_e(value)}</code>"
-
-
 def _none(text: str) -> str:
     return f'<p class="none">{_e(text)}</p>'
 
 
 def _cut(text: str, limit: int = _LABEL_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "\u2026"
-
-
-def _time_unit(largest: float) -> tuple[float, str]:
-    """A scale and unit name for times up to ``largest`` seconds."""
-    if largest >= 1.0:
-        return 1.0, "s"
-    if largest >= 1e-3:
-        return 1e3, "ms"
-    return 1e6, "us"
 
 
 _PAGE = """<!DOCTYPE html>

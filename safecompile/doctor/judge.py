@@ -6,8 +6,7 @@ import math
 from collections.abc import Sequence
 from functools import partial
 
-from .formats import graphs, message_lines, secs, where
-from .report import Check, Report, Status, Timing
+from .report import Check, Report, Status, Timing, graphs, message_lines, secs, where
 
 __all__ = ["is_debug_backend", "judge"]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import linecache
 import math
 import os
@@ -77,6 +78,7 @@ class _Plan:
     examples: tuple[Example, ...]
     sweep: tuple[Example, ...] | None  # None: guess; (): none
     thresholds: Thresholds
+    device: torch.device  # of the first tensor argument, else of the module's parameters
 
 
 def diagnose(
@@ -137,7 +139,7 @@ def diagnose(
         kind=plan.kind,
         settings=_report_settings(plan, settings),
         thresholds=plan.thresholds,
-        versions=versions(_device_of(plan)),
+        versions=versions(plan.device),
         quick=settings.quick,
         examples=tuple(calls),
         sweep=tuple(sweep),
@@ -203,6 +205,7 @@ def _plan(target: DoctorTarget, settings: Settings) -> _Plan:
 
     limit = settings.max_recompiles or target.max_recompiles or DEFAULT_LIMIT
     sweep = parse_sweep(target.sweep)  # parsed before the inputs: same error first
+    examples = parse_inputs(target.inputs, "inputs")
     return _Plan(
         target=target,
         call=call,
@@ -213,7 +216,7 @@ def _plan(target: DoctorTarget, settings: Settings) -> _Plan:
         options=options,
         dynamic=dynamic,
         fullgraph=fullgraph,
-        examples=parse_inputs(target.inputs, "inputs"),
+        examples=examples,
         sweep=sweep,
         thresholds=Thresholds(
             max_graph_breaks=settings.max_graph_breaks,
@@ -221,31 +224,26 @@ def _plan(target: DoctorTarget, settings: Settings) -> _Plan:
             slower_ratio=settings.slower_ratio,
             compile_warn_s=settings.compile_warn_s,
         ),
+        device=_device_of(examples, call),
     )
 
 
 def _guarded_call(fn: Callable[..., Any], controller: Any) -> tuple[str, Callable[..., Any], str]:
-    """What the doctor guards for ``fn`` (``controller``: its ``safecompile``, if guarded):
-    its kind, the callable (a module's bound forward, or the function inside a guarded
-    one) and its qualified name."""
+    """Kind, callable and qualified name of what the doctor guards: a module's own forward
+    (hooks do not run), the function inside a guarded one."""
     if isinstance(fn, torch.nn.Module):
         cls = type(fn)
         forward = types.MethodType(cls.forward, fn)
         return "module", forward, f"{cls.__module__}.{cls.__qualname__}.forward"
-    call = fn
-    if controller is not None:
-        wrapped = getattr(fn, "__wrapped__", None)
-        if not callable(wrapped):
-            raise UsageError(f"cannot find the function inside guarded {fn!r}")
-        call = wrapped
+    call = fn if controller is None else fn.__wrapped__  # type: ignore[attr-defined]
     name = getattr(call, "__qualname__", None) or type(call).__qualname__
     return "function", call, f"{getattr(call, '__module__', None) or '__main__'}.{name}"
 
 
 def _made_with(controller: Any) -> dict[str, Any]:
-    """What a guarded target was made with: its name, dynamic and fullgraph, and its backend
-    and mode when the backend is a known name (``{}`` for a plain target)."""
-    if controller is None or not callable(getattr(controller, "report", None)):
+    """A guarded target's name, dynamic and fullgraph, and its backend and mode when the
+    backend is a known name (``{}`` for a plain target)."""
+    if controller is None:
         return {}
     info = controller.report()
     made = {key: info.get(key) for key in ("name", "dynamic", "fullgraph")}
@@ -255,8 +253,8 @@ def _made_with(controller: Any) -> dict[str, Any]:
 
 
 class _Session:
-    """One guarded callable and its eager twin: runs the examples, the sweep and the timing,
-    and keeps what has gone wrong so far."""
+    """One guarded callable next to eager: the examples, the sweep, the timing, and the
+    failure that makes the rest moot."""
 
     def __init__(
         self, guarded: Any, plan: _Plan, recorder: Recorder, say: Callable[[str], None]
@@ -264,16 +262,11 @@ class _Session:
         self.say = say
         self.guarded = guarded
         self.controller = guarded.safecompile
-        self.eager = plan.call
         self.plan = plan
         self.recorder = recorder
         self.failure: Failure | None = None
         self.limit_hit = False
-        self._sync = _synchronizer(plan)
-
-    def failed(self) -> bool:
-        """Whether the compiled path has failed (the rest of the checks are moot)."""
-        return self.failure is not None
+        self._sync = _synchronizer(plan.device)
 
     def examples(self) -> list[Call]:
         """Each example's first call, up to the first that fails to compile."""
@@ -282,7 +275,7 @@ class _Session:
             label = example.label()
             self.say(f"compiling example {i + 1}/{len(self.plan.examples)}: {label}")
             calls.append(self.first_call(example, label, "example"))
-            if self.failed():
+            if self.failure is not None:
                 break
         return calls
 
@@ -291,7 +284,7 @@ class _Session:
         stopped early (``None``: it did not)."""
         if settings.quick:
             return [], "skipped (--quick)", None
-        if self.failed():
+        if self.failure is not None:
             return [], "skipped: a compile failed", None
         sweep: list[Call] = []
         stopped: str | None = None
@@ -300,7 +293,7 @@ class _Session:
             self.say(f"sweep {i + 1}/{len(shapes)}: {label}")
             call = self.first_call(example, label, "sweep")
             sweep.append(call)
-            if self.failed():
+            if call.path == "failed":
                 stopped = "stopped: a compile failed"
                 break
             if call.path == "eager" and self.limit_hit:
@@ -355,22 +348,19 @@ class _Session:
             backend_s=math.fsum(g.compile_s for g in new_graphs),
             graph_s=tuple(g.compile_s for g in new_graphs),
         )
-        events = _since(events_before, self.controller.events())
+        failed = _failure_event(_since(events_before, self.controller.events()))
         after = self.controller.stats()
-        failed = _failure_event(events)
         if failed is not None:
             self.failure = self._failure(failed, label)
             note = f"{failed.error_type}: safe_compile answered with eager's result"
             return dataclasses.replace(call, path="failed", note=note)
         if after.compiled_calls == before.compiled_calls:
-            limit = after.recompile_limit_calls > before.recompile_limit_calls or any(
-                e.kind is EventKind.RECOMPILE_LIMIT for e in events
-            )
+            limit = after.recompile_limit_calls > before.recompile_limit_calls
             self.limit_hit = self.limit_hit or limit
             note = "past the recompile limit: runs eager" if limit else "ran eager"
             return dataclasses.replace(call, path="eager", note=note)
         args, kwargs = _cloned(example)
-        expected = self.eager(*args, **kwargs)
+        expected = self.plan.call(*args, **kwargs)
         result = compare(out, expected, rtol=self.plan.target.rtol, atol=self.plan.target.atol)
         return dataclasses.replace(
             call, max_abs=result.max_abs, max_rel=result.max_rel, drift=result.reason
@@ -378,14 +368,8 @@ class _Session:
 
     def time(self, example: Example, label: str, repeat: int) -> Timing:
         """Median per-call time of each path, in interleaved samples."""
-        args, kwargs = example.args, dict(example.kwargs)
-
-        def compiled() -> Any:
-            return self.guarded(*args, **kwargs)
-
-        def eager() -> Any:
-            return self.eager(*args, **kwargs)
-
+        compiled = functools.partial(self.guarded, *example.args, **example.kwargs)
+        eager = functools.partial(self.plan.call, *example.args, **example.kwargs)
         before = self.controller.stats().compiled_calls
         compiled()
         eager()
@@ -460,12 +444,9 @@ def _failure_event(events: Sequence[Event]) -> Event | None:
 
 
 def _since(before: Sequence[Event], after: Sequence[Event]) -> tuple[Event, ...]:
-    """The events in ``after`` newer than the newest of ``before`` (compared by identity)."""
-    if before:
-        for i in range(len(after) - 1, -1, -1):
-            if after[i] is before[-1]:
-                return tuple(after[i + 1 :])
-    return tuple(after)
+    """The events in ``after`` not in ``before`` (by identity: two events can be equal)."""
+    seen = {id(e) for e in before}
+    return tuple(e for e in after if id(e) not in seen)
 
 
 def _cloned(example: Example) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -476,19 +457,18 @@ def _cloned(example: Example) -> tuple[tuple[Any, ...], dict[str, Any]]:
     return tuple(args), dict(kwargs)
 
 
-def _device_of(plan: _Plan) -> torch.device:
-    for example in plan.examples:
+def _device_of(examples: Sequence[Example], call: Callable[..., Any]) -> torch.device:
+    for example in examples:
         for t in tensors(example):
             return t.device
-    owner = getattr(plan.call, "__self__", None)
+    owner = getattr(call, "__self__", None)
     if isinstance(owner, torch.nn.Module):
         for p in owner.parameters():
             return p.device
     return torch.device("cpu")
 
 
-def _synchronizer(plan: _Plan) -> Callable[[], None]:
-    device = _device_of(plan)
+def _synchronizer(device: torch.device) -> Callable[[], None]:
     sync = getattr(getattr(torch, device.type, None), "synchronize", None)
     if device.type == "cpu" or not callable(sync):
         return lambda: None
@@ -502,9 +482,8 @@ def source_line(file: object, line: object) -> str | None:
     return text or None
 
 
-def versions(device: torch.device | None = None) -> dict[str, str]:
+def versions(device: torch.device) -> dict[str, str]:
     """safecompile, torch, Python, platform and device, as text."""
-    device = device or torch.device("cpu")
     if device.type == "cuda" and torch.cuda.is_available():
         name = torch.cuda.get_device_name(device)
         where = f"{device} ({name}, CUDA {torch.version.cuda})"

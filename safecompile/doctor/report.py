@@ -1,9 +1,11 @@
-"""The doctor's records: what it was given, what it measured and what it concluded."""
+"""The doctor's records (what it was given, measured and concluded) and the words its
+reports say a place, a duration, a count of graphs and a status in."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
@@ -26,6 +28,11 @@ __all__ = [
     "Thresholds",
     "Timing",
     "UsageError",
+    "graphs",
+    "message_lines",
+    "secs",
+    "time_unit",
+    "where",
 ]
 
 SCHEMA = "safecompile.doctor/1"
@@ -129,10 +136,10 @@ class Settings:
     grad: bool = False  # False: run under torch.no_grad()
     quick: bool = False  # skip the shape sweep and the timing
     repeat: int = 20  # timing samples per example and path
-    max_graph_breaks: int = 0
+    max_graph_breaks: int = Thresholds.max_graph_breaks
     max_recompiles: int | None = None
-    slower_ratio: float = 1.10
-    compile_warn_s: float = 60.0
+    slower_ratio: float = Thresholds.slower_ratio
+    compile_warn_s: float = Thresholds.compile_warn_s
     reset_dynamo: bool = True  # torch.compiler.reset() first, as in a fresh process
 
 
@@ -266,3 +273,43 @@ def _jsonable(value: object) -> object:
     if value is None or isinstance(value, bool | int | float | str):
         return value
     return repr(value)
+
+
+def where(file: object, line: object, function: object) -> str:
+    if not isinstance(file, str):
+        return "(unknown location)"
+    place = _shown_path(file) + (f":{line}" if isinstance(line, int) else "")
+    return place + (f" in {function}" if function else "")
+
+
+def _shown_path(file: str) -> str:
+    try:
+        rel = os.path.relpath(file)
+    except ValueError:  # another drive
+        return file
+    return file if rel.startswith("..") else rel
+
+
+def message_lines(message: str | None, limit: int) -> list[str]:
+    lines = [line.strip() for line in (message or "").splitlines()]
+    return [line for line in lines if line][:limit]
+
+
+def graphs(n: int) -> str:
+    return f"{n} graph{'' if n == 1 else 's'}"
+
+
+def secs(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    scale, unit = time_unit(seconds)
+    return f"{seconds * scale:.{1 if unit == 'us' else 2}f} {unit}"
+
+
+def time_unit(largest: float) -> tuple[float, str]:
+    """A scale and unit name for times up to ``largest`` seconds."""
+    if largest >= 1.0:
+        return 1.0, "s"
+    if largest >= 1e-3:
+        return 1e3, "ms"
+    return 1e6, "us"

@@ -18,12 +18,16 @@ from typing import Any
 
 import torch
 
-from safecompile.observe.source import is_user_file
+from safecompile.observe.source import innermost_user_frame, is_user_file
 
-from .formats import where
-from .report import DoctorTarget, Example, UsageError
+from .report import DoctorTarget, Example, UsageError, where
 
 __all__ = ["error_at", "load_target", "parse_inputs", "parse_sweep", "to_target", "user_traceback"]
+
+_INPUTS = (
+    "a list of calls (each a tuple of arguments, a dict of keyword arguments or a tensor) "
+    "or one call's tuple of arguments"
+)
 
 
 def to_target(value: object, factory: str = "FACTORY") -> DoctorTarget:
@@ -39,9 +43,7 @@ def to_target(value: object, factory: str = "FACTORY") -> DoctorTarget:
         hint = " (a callable without inputs: return (fn, inputs))" if callable(value) else ""
         raise UsageError(
             f"{factory}() returned {_kind(value)}{hint}; expected "
-            "DoctorTarget(fn=..., inputs=[...]) or a pair (fn, inputs), where inputs is a "
-            "list of calls (each a tuple of arguments, a dict of keyword arguments or a "
-            "tensor) or one call's tuple of arguments"
+            f"DoctorTarget(fn=..., inputs=[...]) or a pair (fn, inputs), where inputs is {_INPUTS}"
         )
     if not callable(target.fn):
         raise UsageError(
@@ -60,10 +62,7 @@ def parse_inputs(value: object, what: str = "inputs") -> tuple[Example, ...]:
         if not value:
             raise UsageError(f"{what} is empty: give at least one example call")
         return tuple(_one(item, f"{what}[{i}]") for i, item in enumerate(value))
-    raise UsageError(
-        f"{what} must be a list of calls (each a tuple of arguments, a dict of keyword "
-        f"arguments or a tensor) or one call's tuple of arguments, got {_kind(value)}"
-    )
+    raise UsageError(f"{what} must be {_INPUTS}, got {_kind(value)}")
 
 
 def parse_sweep(value: object, what: str = "sweep") -> tuple[Example, ...] | None:
@@ -216,5 +215,5 @@ def _place(exc: BaseException) -> str | None:
     """``file:line in function`` of the user's deepest frame of ``exc``, if any."""
     if isinstance(exc, SyntaxError) and exc.filename:
         return where(exc.filename, exc.lineno, None)
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if is_user_file(f.filename)]
-    return where(frames[-1].filename, frames[-1].lineno, frames[-1].name) if frames else None
+    at = innermost_user_frame(traceback.extract_tb(exc.__traceback__))
+    return where(at.file, at.line, at.function) if at is not None else None

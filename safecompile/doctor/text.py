@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import textwrap
 
-from .formats import TAGS
 from .report import Report
 
 __all__ = ["LINE_LIMIT", "counts", "render_text"]
 
 #: Longest line of the text report.
 LINE_LIMIT = 200
+_COUNTED = {"fail": "failed", "warn": "warning", "pass": "passed", "skip": "skipped"}
 
 
 def render_text(report: Report) -> str:
@@ -33,7 +33,7 @@ def render_text(report: Report) -> str:
     ]
     width = max(len(c.title) for c in report.checks) if report.checks else 0
     for check in report.checks:
-        out.append(f"[{TAGS[check.status]}] {check.title.ljust(width)}  {check.summary}")
+        out.append(f"[{check.status.upper()}] {check.title.ljust(width)}  {check.summary}")
         out += [f"       {line}" for line in check.lines]
         if check.status != "skip":
             out.append(f"       what to do: {check.advice}")
@@ -49,19 +49,13 @@ def render_text(report: Report) -> str:
 
 def counts(report: Report) -> str:
     """How the checks came out: ``1 failed (recompiles), 1 warning (speed), 3 passed``."""
-    failed = [c.title for c in report.checks if c.status == "fail"]
-    warned = [c.title for c in report.checks if c.status == "warn"]
-    passed = sum(c.status == "pass" for c in report.checks)
-    skipped = sum(c.status == "skip" for c in report.checks)
     said = []
-    if failed:
-        said.append(f"{len(failed)} failed ({', '.join(failed)})")
-    if warned:
-        said.append(f"{len(warned)} warning{'s' if len(warned) > 1 else ''} ({', '.join(warned)})")
-    if passed:
-        said.append(f"{passed} passed")
-    if skipped:
-        said.append(f"{skipped} skipped")
+    for status, word in _COUNTED.items():
+        titles = [c.title for c in report.checks if c.status == status]
+        if titles:
+            plural = "s" if status == "warn" and len(titles) > 1 else ""
+            named = f" ({', '.join(titles)})" if status in ("fail", "warn") else ""
+            said.append(f"{len(titles)} {word}{plural}{named}")
     return ", ".join(said)
 
 

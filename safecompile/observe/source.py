@@ -35,6 +35,7 @@ __all__ = [
     "error_type_name",
     "exception_chain",
     "graph_breaks_of",
+    "innermost_user_frame",
     "is_generated_file",
     "is_ours",
     "is_user_file",
@@ -291,7 +292,8 @@ def _from_summary(frame: traceback.FrameSummary) -> SourceLocation:
     return SourceLocation(frame.filename, frame.lineno, _plain_function_name(frame.name))
 
 
-def _innermost_user_summary(stack: Iterable[Any]) -> SourceLocation | None:
+def innermost_user_frame(stack: Iterable[Any]) -> SourceLocation | None:
+    """The last of ``stack``'s frames (``traceback.FrameSummary``) in the user's files."""
     found: SourceLocation | None = None
     for frame in stack:
         if isinstance(frame, traceback.FrameSummary) and is_user_file(frame.filename):
@@ -405,7 +407,7 @@ def location_of_error(exc: BaseException, fn: object) -> tuple[SourceLocation | 
     for link in exception_chain(exc):
         real_stack = getattr(link, "real_stack", None)  # dynamo errors
         if real_stack:
-            found = _innermost_user_summary(real_stack)
+            found = innermost_user_frame(real_stack)
             if found is not None:
                 return found, None
         summary = getattr(link, "innermost_user_frame_summary", None)
@@ -417,7 +419,7 @@ def location_of_error(exc: BaseException, fn: object) -> tuple[SourceLocation | 
             if found is None:
                 for nested in exception_chain(inner):
                     stack = getattr(nested, "real_stack", None)
-                    found = _innermost_user_summary(stack) if stack else None
+                    found = innermost_user_frame(stack) if stack else None
                     if found is not None:
                         break
             return found or location_of_function(fn), None
@@ -451,7 +453,7 @@ def graph_breaks_of(
     reason = getattr(gm, "compile_subgraph_reason", None)
     if reason is not None and getattr(reason, "graph_break", False):
         stack = list(getattr(reason, "user_stack", None) or ())
-        location = _innermost_user_summary(stack)
+        location = innermost_user_frame(stack)
         if location is None and stack and isinstance(stack[-1], traceback.FrameSummary):
             location = _from_summary(stack[-1])
         out.append(_break(str(getattr(reason, "reason", "")), location))
