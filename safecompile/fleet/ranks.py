@@ -14,6 +14,7 @@ import itertools
 import json
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -157,9 +158,8 @@ class Agreement:
         dist = _dist()
         if dist is None or not dist.is_initialized():
             return None
-        group = dist.group.WORLD
-        self._group = group
-        return group
+        self._group = dist.group.WORLD
+        return self._group
 
     def _exchange(self, group: Any, index: int, row: list[int]) -> list[list[int]]:
         """Every rank's row of safe point ``index`` through the store; raises if a peer left."""
@@ -230,16 +230,15 @@ def _left(store: Any, ended: str) -> None:
         raise _PeerLeft(bytes(store.get(ended)).decode(errors="replace"))
 
 
-_CHANNELS: dict[str, int] = {}
+_CHANNELS: Counter[str] = Counter()
 _CHANNELS_LOCK = threading.Lock()
 
 
 def _channel(name: str) -> str:
     """``name#n``, the n-th of that name: ranks decorate in the same order, so they agree."""
     with _CHANNELS_LOCK:
-        count = _CHANNELS.get(name, 0) + 1
-        _CHANNELS[name] = count
-    return f"{name}#{count}"
+        _CHANNELS[name] += 1
+        return f"{name}#{_CHANNELS[name]}"
 
 
 def _decode(
@@ -269,12 +268,11 @@ def _decode(
     if not tripped:
         return same
     origin, row = tripped[0]
-    code = row[3]
     return replace(
         same,
         trip=True,
         origin=origin,
-        origin_reason=_CODES[code - 1] if 0 < code <= len(_CODES) else None,
+        origin_reason=_CODES[row[3] - 1] if 0 < row[3] <= len(_CODES) else None,
         recover=all(found[2] and found[4] for found in rows),
     )
 
