@@ -233,7 +233,7 @@ class GraphHooks:
     bucket_label: Callable[[], str | None]
     clock: Callable[[], float]
     # (graph inputs as text, perf_counter at start) -> what to call when it ends
-    announce: Callable[[str, float], Callable[[], None]] | None = None
+    announce: Callable[[str, float], Callable[[], None]]
 
 
 class GuardBackend:
@@ -263,8 +263,7 @@ class GuardBackend:
         hooks.on_compile_start()
         ended: Callable[[], None] | None = None
         try:
-            if hooks.announce is not None:  # a slow compile says so (see _progress)
-                ended = hooks.announce(describe_inputs(gm), started)
+            ended = hooks.announce(describe_inputs(gm), started)  # a slow compile says so
             frame = torchcompat.frame_code()  # the function, or a resume function
             if frame is not None:
                 self._codes.add(frame)
