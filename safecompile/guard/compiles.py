@@ -92,10 +92,6 @@ class KnownFailures:
         self._key = CallKey(target, options)
         self._checked = False
 
-    @property
-    def active(self) -> bool:
-        return self._store is not None and not self._checked
-
     def known(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
         """Once per process, before the first compile: the persisted failure's message."""
         if self._store is None or self._checked:

@@ -433,7 +433,7 @@ def _admit(e: Engine, call: Call) -> str | None:
         or e.compiles.busy_elsewhere()  # a compile is in flight elsewhere: eager meanwhile
     ):
         return None
-    known = e.failures.known(call.args, call.kwargs) if e.failures.active else None
+    known = e.failures.known(call.args, call.kwargs)
     if known is not None:
         e.trip(Reason.COMPILE_ERROR, message=known)
         return None
@@ -655,10 +655,8 @@ def _verify_bucket(e: Engine, call: Call, padded_out: Any) -> Any:
 
 
 def _served_eager(call: Call, out: Any) -> Any:
-    if call.warmup:
-        return None
-    call.slot.eager += 1
-    return out
+    call.count_eager()
+    return None if call.warmup else out
 
 
 def reject_bucket(
