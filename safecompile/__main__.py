@@ -148,8 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _usage_error(message: str) -> int:
-    """Say what is wrong in one line on stderr, of at most 200 characters (a longer one
-    loses its middle, keeping what went wrong and where); return the usage exit code."""
+    """One line on stderr (a long one loses its middle, keeping what and where); exit 2."""
     line = f"safecompile doctor: error: {' '.join(message.split())}"
     if len(line) > LINE_LIMIT:
         tail = LINE_LIMIT * 2 // 5

@@ -220,8 +220,7 @@ def _check_speed(r: Report) -> Check:
 
 
 def _speed_verdict(timed: list[Timing], limit: float, backend: str) -> tuple[Status, str, str]:
-    """Status, summary and advice of the speed check, from the timed examples (at least
-    one), the slower-ratio limit and the backend's name."""
+    """Status, summary and advice of the speed check (``timed``: at least one example)."""
     worst = max(timed, key=lambda t: t.ratio or 0.0)
     ratio = worst.ratio or 0.0
     samples = f"median of {worst.samples} interleaved samples"

@@ -178,8 +178,7 @@ def _report_settings(plan: _Plan, settings: Settings) -> dict[str, Any]:
 
 
 def _plan(target: DoctorTarget, settings: Settings) -> _Plan:
-    """The target resolved: the command line's settings, else the target's, else those a
-    guarded target was made with, else the defaults."""
+    """Each option from the command line, else the target, else a guarded target's own."""
     controller = getattr(target.fn, "safecompile", None)
     kind, call, name = _guarded_call(target.fn, controller)
     made = _made_with(controller)
@@ -280,8 +279,7 @@ class _Session:
         return calls
 
     def sweep(self, settings: Settings) -> tuple[list[Call], str, str | None]:
-        """The sweep's first calls, what it varied (or why there was none), and why it
-        stopped early (``None``: it did not)."""
+        """The sweep's first calls, what it varied (or why not), why it stopped early (or None)."""
         if settings.quick:
             return [], "skipped (--quick)", None
         if self.failure is not None:

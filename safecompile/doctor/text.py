@@ -60,8 +60,7 @@ def counts(report: Report) -> str:
 
 
 def _fitted(line: str) -> list[str]:
-    """``line`` as it is, or wrapped at :data:`LINE_LIMIT` characters (at spaces where it
-    can), the rest indented under it; a line that is itself several lines is each."""
+    """``line`` (each of its lines) wrapped at :data:`LINE_LIMIT`, the rest indented."""
     if "\n" in line:
         return [part for piece in line.split("\n") for part in _fitted(piece)]
     if len(line) <= LINE_LIMIT:
