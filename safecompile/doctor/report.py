@@ -1,5 +1,5 @@
 """The doctor's records (what it was given, measured and concluded) and the words its
-reports say a place, a duration, a count of graphs and a status in."""
+reports say a place, a duration and a count of graphs in."""
 
 from __future__ import annotations
 
