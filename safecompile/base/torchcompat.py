@@ -14,6 +14,7 @@ sits below logging).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib
 import inspect
 import os
@@ -58,6 +59,7 @@ __all__ = [
     "mark_dynamic",
     "mode_options",
     "per_function_limit",
+    "precompiled_rewrapped",
     "pytree",
     "remote_cache_classes",
     "reset_code",
@@ -256,6 +258,20 @@ def frame_code() -> types.CodeType | None:
     except Exception:
         return None
     return code if isinstance(code, types.CodeType) else None
+
+
+def precompiled_rewrapped(
+    loaded: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
+) -> Any:
+    """A function ``torch.compiler.load_compiled_function`` returned, its compiled graph
+    replaced by ``wrap(graph)``. checked: 2.13.0 (``AOTCompiledFunction``, a dataclass whose
+    code calls ``_artifacts.compiled_fn``; ``__post_init__`` rebuilds a ``None`` guard_manager)."""
+    artifacts = getattr(loaded, "_artifacts", None)
+    if artifacts is None:
+        return Missing("AOTCompiledFunction._artifacts", "precompiled graphs are not loaded")
+    graph = wrap(artifacts.compiled_fn)
+    rebuilt = dataclasses.replace(artifacts, compiled_fn=graph, guard_manager=None)
+    return dataclasses.replace(loaded, _artifacts=rebuilt)
 
 
 def undisabled(fn: Callable[..., Any]) -> Callable[..., Any]:

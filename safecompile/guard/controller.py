@@ -116,17 +116,22 @@ class Controller:
             e.warmups += 1
             e.update_gate()
         try:
+            calls = [(args, kwargs)]
             if e.buckets is None:
                 warm_call(e, args, kwargs)
             else:
                 bucketer = e.buckets.bucketer
-                for lengths in bucketer.warmup_calls():  # every combination of sizes
-                    warm_call(e, *bucketer.resize(args, kwargs, lengths))
+                calls = [bucketer.resize(args, kwargs, n) for n in bucketer.warmup_calls()]
+                for sized in calls:  # every combination of sizes
+                    warm_call(e, *sized)
                 for lengths in bucketer.warmup_specialised():  # length 1, dynamic ranges
                     try:
                         warm_call(e, *bucketer.resize(args, kwargs, lengths))
                     except Exception:  # it cannot take length 1: none will come, skip it
                         continue
+            if not e.trips.tripped:  # every warm call passed its checks
+                pads = e.buckets if e.buckets is not None and e.buckets.pads else None
+                e.precompiled.save(calls, e.name, pads)  # loaded, not traced, next time
             e.persisted.save_artifacts(e.name)  # torch's artifacts, for a restart
         finally:
             with e.lock:
@@ -181,6 +186,7 @@ class Controller:
             e.shadow.reset()
             e.failures.forget()
             e.persisted.forget()
+            e.precompiled.forget()
             if e.buckets is not None:
                 e.buckets.clear()
             e.update_gate()

@@ -55,6 +55,7 @@ from .graphs import (
     trace_started,
 )
 from .peers import Peers
+from .precompile import Precompiled
 from .shadow import ShadowRunner, Sink
 from .slots import Slots
 from .trips import TripHooks, Trips
@@ -148,6 +149,8 @@ class Engine:
         target = module if module is not None else fn
         self.failures = KnownFailures(target, opts.verdict_key(checks=False))
         self.persisted = Persisted(target, opts.verdict_key(checks=True))
+        top = own_frame(fn)  # as _compile compiles it
+        self.precompiled = Precompiled(self.persisted, top, target, compiler, opts.dynamic)
         self.shadow = ShadowRunner(
             policy=opts.shadow,
             fn=fn,
@@ -216,7 +219,7 @@ class Engine:
         self._warn_switch_doubts(token if isinstance(token, str | bytes) else None, unmatched=True)
         opts = self.opts
         guard_filter = (opts.options or {}).get("guard_filter_fn")
-        return compile_function(
+        traced = compile_function(
             own_frame(self.fn),  # reset() drops the graphs of this callable alone
             backend=self.backend,
             dynamic=opts.dynamic,
@@ -226,6 +229,7 @@ class Engine:
             recompile_limit=max(2 * opts.rollback.recompile_limit + 2, 8),
             options={"guard_filter_fn": guard_filter} if guard_filter is not None else None,
         )
+        return self.precompiled.serving(traced)  # what an earlier process saved, first
 
     def _snapshot(self, graph_args: tuple[Any, ...], graph: GraphRecord) -> Any:
         """State before the first graph of a checked call runs (on the calling thread)."""

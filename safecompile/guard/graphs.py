@@ -37,6 +37,7 @@ __all__ = [
     "Call",
     "CallSlot",
     "Effect",
+    "GraphFacts",
     "GraphHooks",
     "GraphRecord",
     "GraphTable",
@@ -46,6 +47,7 @@ __all__ = [
     "find_effects",
     "mutates_in_place",
     "random_op",
+    "read_facts",
     "time_tracing",
     "trace_started",
     "unchecked_reason",
@@ -61,6 +63,17 @@ class Effect:
     source: Any  # dynamo's ``Source``, read back against the running frame (``None``:
     # the frame's globals dict itself, for a ``global`` statement's store)
     keys: tuple[str, ...] | None  # the attributes (or globals) it stores; None: its items
+
+
+@dataclass(frozen=True, slots=True)
+class GraphFacts:
+    """What the guard reads from a graph dynamo hands over (saved with a precompiled one)."""
+
+    label: str  # its inputs as text
+    code: str  # the function (or resume function) it belongs to
+    unchecked: str | None  # why it can never be checked
+    mutates: bool  # it may update a tensor in place
+    effects: tuple[Effect, ...]  # Python objects its frame updates
 
 
 @dataclass(slots=True, eq=False)
@@ -143,25 +156,25 @@ class GraphTable:
         self._per_code: dict[str, int] = {}
         self._ids = itertools.count(1)
 
-    def add(
-        self, *, label: str, code: str, compiled: bool, bucket: str | None, unchecked: str | None
-    ) -> GraphRecord:
+    def add(self, facts: GraphFacts, *, compiled: bool, bucket: str | None) -> GraphRecord:
         canary = self._shadow.canary if self._shadow is not None and compiled else 0
         record = GraphRecord(
             id=next(self._ids),
-            label=label,
-            code=code,
+            label=facts.label,
+            code=facts.code,
             compiled=compiled,
             bucket=bucket,
             watched=self._shadow is not None and compiled,
-            canary_left=canary if unchecked is None else 0,
-            unchecked=unchecked,
+            canary_left=canary if facts.unchecked is None else 0,
+            unchecked=facts.unchecked,
+            mutates=facts.mutates,
+            effects=facts.effects,
         )
         record.set_countdown(self.countdown(record))
         with self._lock:
             self._records.append(record)
             if compiled:
-                self._per_code[code] = self._per_code.get(code, 0) + 1
+                self._per_code[facts.code] = self._per_code.get(facts.code, 0) + 1
         return record
 
     def checks(self) -> dict[str, int]:
@@ -282,19 +295,9 @@ class GuardBackend:
                     inner = self._compiler(gm, example_inputs)
             else:
                 inner = gm.forward  # past the recompile limit: the traced graph, eagerly
-            random = random_op(gm)
-            effects, unchecked = unchecked_reason(random)
-            record = hooks.table.add(
-                label=describe_inputs(gm),
-                code=code,
-                compiled=compiled,
-                bucket=hooks.bucket_label(),
-                unchecked=unchecked,
-            )
+            record = hooks.table.add(read_facts(gm), compiled=compiled, bucket=hooks.bucket_label())
             record.compile_s = time.perf_counter() - started
             record.breaks = graph_breaks_of(gm, include_resumed=True)
-            record.mutates = mutates_in_place(gm)
-            record.effects = effects
             if frame is not None:  # as its running frame will show it
                 record.frame = (frame.co_name, frame.co_filename, frame.co_firstlineno)
             self._made[twin] = (record, inner)
@@ -304,6 +307,19 @@ class GuardBackend:
                 ended()
             hooks.on_compile_end()
         return _instrument(record, inner, hooks)
+
+    def adopt(self, inner: Callable[..., Any], facts: GraphFacts) -> Callable[..., Any]:
+        """A graph an earlier process saved, loaded instead of traced: recorded and wrapped
+        like one made here (checks, counts, timing)."""
+        record = self._hooks.table.add(facts, compiled=True, bucket=None)
+        return _instrument(record, inner, self._hooks)
+
+
+def read_facts(gm: torch.fx.GraphModule) -> GraphFacts:
+    """A graph's facts as dynamo hands it over (its side-effect record is live then)."""
+    effects, unchecked = unchecked_reason(random_op(gm))
+    code = _code_name(torchcompat.frame_code())
+    return GraphFacts(describe_inputs(gm), code, unchecked, mutates_in_place(gm), effects)
 
 
 def _instrument(

@@ -439,6 +439,7 @@ def _admit(e: Engine, call: Call) -> str | None:
         return None
     if len(e.table) == 0 and e.persisted.active:
         e.persisted.load_artifacts(call.args, call.kwargs)  # once: torch's artifacts
+        e.precompiled.load(call.args, call.kwargs, e.backend.adopt)  # once: loaded, not traced
     return "compiled"
 
 

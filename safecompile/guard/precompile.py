@@ -1,0 +1,222 @@
+"""A warm restart that loads compiled functions instead of tracing them again.
+
+After a warmup that passed, each warm signature is compiled once more with
+``torch.compile(fullgraph=True).aot_compile()`` and saved, sealed with the operator's key,
+under ``SAFECOMPILE_CACHE_DIR`` and in the remote tier. A new process loads them before its
+first compile and runs a call that passes one's guards through it, wrapped like a traced
+graph; anything else takes today's path, with one ``safecompile.precompiled`` event.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import io
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from safecompile.base import torchcompat
+from safecompile.observe.log import Once, log_event, torch_missing
+from safecompile.persist.bounded import read_file
+from safecompile.persist.cache import Verdict, _write_atomic, signed_store
+from safecompile.persist.restart import Persisted
+from safecompile.shapes.table import BucketStatus, BucketTable
+
+from .graphs import GraphFacts, read_facts
+
+__all__ = ["Precompiled"]
+
+SCOPE = "torch.compile.aot_compile"  # the verdict listing a key's precompiled functions
+PURPOSE = "precompiled"  # the MAC's purpose for a function's bytes
+MAX_BYTES = 1 << 30
+READ_TIMEOUT_S = 30.0
+# Guards on a global that hold while it is the same object; any other reads a value.
+_IDENTITY = frozenset(["BUILTIN", "CLASS", "CLOSURE", "FUNCTION", "ID", "MODULE"])  # ..._MATCH
+_TORCH_GLOBAL = "G['__import_torch"  # torch's own modules: part of the torch version
+
+Call = tuple[tuple[Any, ...], dict[str, Any]]
+Adopt = Callable[[Callable[..., Any], GraphFacts], Callable[..., Any]]
+
+
+class Precompiled:
+    """One guarded callable's precompiled functions: saved after a warmup, loaded once."""
+
+    def __init__(
+        self,
+        persisted: Persisted,
+        top: Callable[..., Any],
+        target: Callable[..., Any],
+        compiler: Callable[..., Any],
+        dynamic: bool | None,
+    ) -> None:
+        root, store = signed_store()
+        self._store = store
+        self._signer = store.signer if store is not None else None
+        self._dir = root / "precompiled" if root is not None and self._signer else None
+        self._persisted = persisted  # its key is ours, made by the first call's load()
+        self._key: str | None = None
+        self._top = top  # what torch.compile compiles (see backend.own_frame)
+        self._external = {"target": target}  # the live module or function, never pickled
+        self._compiler = compiler
+        self._dynamic = dynamic
+        self._lock = threading.Lock()
+        self._looked = False
+        self._loaded: tuple[Any, ...] = ()
+        self._traced: Callable[..., Any] | None = None
+        self._saved: dict[str, dict[str, Any]] = {}  # file name -> its index entry
+        self._said = Once()
+
+    def serving(self, traced: Callable[..., Any]) -> Callable[..., Any]:
+        """What the guard calls: ``traced``, or under a cache dir the loaded functions first."""
+        self._traced = traced
+        return self._call if self._dir is not None else traced
+
+    def _call(self, *args: Any, **kwargs: Any) -> Any:
+        for fn in self._loaded:
+            if fn.guard_check(*args, **kwargs):
+                return fn.fn(*args, **kwargs)
+        if self._loaded:
+            self._event("no_guard_matched", "this call is traced as usual", logging.INFO)
+        assert self._traced is not None  # serving() came first
+        return self._traced(*args, **kwargs)
+
+    def save(self, calls: list[Call], name: str, buckets: BucketTable | None) -> None:
+        """After a warmup that passed: each warm signature, as the compiled function got
+        it (padded; a rejected bucket's left out), precompiled and saved."""
+        key, store = self._key, self._store
+        if self._dir is None or store is None or key is None:
+            return
+        made: list[Any] = []
+        for call in calls:
+            padded = _as_compiled(call, buckets)
+            if padded is None:
+                continue  # a rejected bucket: it runs eager
+            args, kwargs = padded
+            if any(f.guard_check(*args, **kwargs) for f in (*self._loaded, *made)):
+                continue  # loaded, or saved by an earlier call of this warmup
+            try:
+                made.append(self._save_one(key, args, kwargs))
+            except Exception as exc:  # a graph break, a backend torch cannot serialize...
+                self._event("not_saved", f"{type(exc).__name__}: {exc}", logging.INFO)
+                break  # the other signatures would most likely fail the same way
+        if made:
+            graphs = list(self._saved.values())
+            verdict = Verdict(kind=PURPOSE, time=time.time(), name=name, details={"graphs": graphs})
+            store.put(key, verdict, SCOPE)
+
+    def _save_one(self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        facts: list[GraphFacts] = []
+        read: list[str] = []
+        unserializable = torchcompat.lookup(  # checked: 2.13.0 (torch's default filter's)
+            "torch._dynamo.guards.CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES"
+        )
+
+        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            compiled = self._compiler(gm, example_inputs)
+            facts.append(read_facts(gm))
+            return compiled
+
+        def guards(entries: list[Any]) -> list[bool]:
+            # as torch's default, no guard on a global is kept: the value it was saved with
+            # would serve unguarded, so a graph reading one of the user's is not saved
+            read.extend(
+                g.name
+                for g in entries
+                if g.is_global
+                and g.guard_type.removesuffix("_MATCH") not in _IDENTITY
+                and not g.name.startswith(_TORCH_GLOBAL)
+            )
+            return [not (g.is_global or g.guard_type in (unserializable or ())) for g in entries]
+
+        compile_: Any = torch.compile
+        options = {"guard_filter_fn": guards}
+        fn = compile_(
+            self._top, fullgraph=True, backend=backend, dynamic=self._dynamic, options=options
+        )
+        saved = fn.aot_compile((args, kwargs))
+        if facts[0].effects or read:  # updates to find again at run time, or global values
+            raise ValueError(f"it updates Python objects or reads globals {read[:3]}")
+        data: bytes = type(saved).serialize(saved, self._external).serialized_data
+        file = f"{hashlib.sha256(data).hexdigest()[:32]}.bin"
+        assert self._signer is not None
+        assert self._dir is not None
+        assert self._store is not None
+        sealed = self._signer.seal(PURPOSE, f"{key}/{file}", data)
+        remote = self._store.remote
+        shared = remote is not None and remote.put_blob(key, file, sealed)
+        if not _write_atomic(self._dir / key / file, sealed) and not shared:
+            raise OSError("written neither to the cache dir nor to the remote tier")
+        self._saved[file] = dataclasses.asdict(facts[0]) | {"file": file}
+        return saved
+
+    def load(self, args: tuple[Any, ...], kwargs: dict[str, Any], adopt: Adopt) -> None:
+        """Once per process, before the first compile: load what an earlier one saved."""
+        with self._lock:
+            if self._looked or self._store is None or self._dir is None:
+                return
+            self._looked = True
+        key = self._key = self._persisted.key(args, kwargs)
+        verdict = self._store.get(key, SCOPE) if key is not None else None
+        if key is None or verdict is None:
+            self._event("missing", "nothing saved for this key: traced as usual", logging.INFO)
+            return
+        loaded = []
+        for entry in verdict.details.get("graphs", []):
+            try:
+                loaded.append(self._load_one(key, entry, adopt))
+                self._saved[str(entry["file"])] = entry  # kept when this process saves more
+            except Exception as exc:  # unsigned, tampered, another torch, not loadable
+                self._event("not_loaded", f"{type(exc).__name__}: {exc}", logging.WARNING)
+        self._loaded = tuple(loaded)
+        if loaded:
+            reason = f"{len(loaded)} graph(s) loaded, not traced"
+            log_event("safecompile.precompiled", outcome="loaded", reason=reason)
+
+    def _load_one(self, key: str, entry: dict[str, Any], adopt: Adopt) -> Any:
+        file = str(entry["file"])  # a name this module made: the index is signed
+        assert self._signer is not None
+        assert self._dir is not None
+        assert self._store is not None
+        sealed = read_file(self._dir / key / file, limit=MAX_BYTES, timeout=READ_TIMEOUT_S)
+        if sealed is None and self._store.remote is not None:
+            sealed = self._store.remote.get_blob(key, file)
+        if sealed is None or len(sealed) > MAX_BYTES:
+            raise FileNotFoundError(f"{file}: not found, or larger than {MAX_BYTES} bytes")
+        data = self._signer.unseal(PURPOSE, f"{key}/{file}", sealed)  # before unpickling
+        fn = torch.compiler.load_compiled_function(
+            io.BytesIO(data), f_globals=self._top.__globals__, external_data=self._external
+        )
+        fields = {f: entry[f] for f in ("label", "code", "unchecked", "mutates")}
+        facts = GraphFacts(**fields, effects=())
+        wrapped = torchcompat.precompiled_rewrapped(fn, lambda graph: adopt(graph, facts))
+        if isinstance(wrapped, torchcompat.Missing):
+            torch_missing(wrapped)
+            raise LookupError(wrapped.name)
+        return wrapped
+
+    def forget(self) -> None:
+        """``reset()``: serve nothing loaded, and delete what this key saved."""
+        self._loaded = ()
+        self._saved.clear()
+        if self._dir is not None and self._key is not None:
+            for path in (self._dir / self._key).glob("*.bin"):
+                path.unlink(missing_ok=True)
+
+    def _event(self, outcome: str, reason: str, level: int) -> None:  # once per outcome
+        if self._said.first(outcome):
+            log_event("safecompile.precompiled", level=level, outcome=outcome, reason=reason)
+
+
+def _as_compiled(call: Call, buckets: BucketTable | None) -> Call | None:
+    """A warm call's arguments as the compiled function got them (``None``: it did not)."""
+    plan = buckets.bucketer.plan(*call) if buckets is not None else None
+    if buckets is None or plan is None or plan.status != "bucketed":
+        return call
+    if buckets.entry(plan).status is BucketStatus.REJECTED:
+        return None
+    return buckets.bucketer.pad(plan, *call)

@@ -1,0 +1,276 @@
+"""A warm restart loads precompiled functions instead of tracing (safecompile.guard.precompile).
+
+In one process a second ``safe_compile`` of the same function is a restart as far as the
+cache dir goes: it loads what the first one's warmup saved. "Not traced" is read from
+dynamo's own count of frames it converted; whatever cannot be loaded, or does not match,
+takes the traced path with one ``safecompile.precompiled`` event.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from structlog.testing import capture_logs
+from torch._dynamo.utils import counters
+
+from safecompile import Shadow, State, Warmup, safe_compile
+from safecompile.guard.graphs import GuardBackend
+from safecompile.persist import remote as _remote
+from safecompile.persist.remote import REMOTE_ENV_VAR
+
+REPO = Path(__file__).resolve().parents[1]
+X = torch.randn(8, 8)
+SCALE = 2.0
+
+
+def score(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x @ x.T) + 1
+
+
+def scaled(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x) * SCALE
+
+
+def guard(fn: Any = score, **changes: Any) -> Any:
+    options: dict[str, Any] = {
+        "backend": "aot_eager",
+        "shadow": Shadow(canary=2, every=0),
+        "warmup": Warmup(inputs=[(X,)]),
+    }
+    return safe_compile(fn, **(options | changes))
+
+
+def traced() -> int:
+    """How many frames dynamo has converted in this process so far."""
+    return int(counters["frames"]["total"])
+
+
+def outcomes(logs: list[dict[str, Any]]) -> list[str]:
+    return [e["outcome"] for e in logs if e["event"] == "safecompile.precompiled"]
+
+
+@pytest.fixture
+def cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv("SAFECOMPILE_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "torch"))
+    return tmp_path
+
+
+def saved_files(cache_dir: Path) -> list[Path]:
+    return sorted((cache_dir / "precompiled").rglob("*.bin"))
+
+
+def test_a_restart_loads_instead_of_tracing_and_still_checks(cache_dir: Path) -> None:
+    """The loaded graph serves compiled calls, counted, and its canary checks run."""
+    guard()
+    assert len(saved_files(cache_dir)) == 1
+    before = traced()
+    with capture_logs() as logs:
+        g = guard()
+        for _ in range(3):
+            torch.testing.assert_close(g(X), score(X))
+    assert traced() == before  # neither the warmup nor the calls traced
+    assert outcomes(logs) == ["loaded"]
+    stats = g.safecompile.stats()
+    assert (stats.graphs, stats.compiled_calls, stats.shadow_checks) == (1, 3, 2)
+    assert g.safecompile.state is State.COMPILED  # its canary passed
+
+
+def test_a_loaded_graph_that_drifts_rolls_back(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loaded graph is checked like a traced one: wrong outputs trip, eager answers."""
+    guard(warmup=Warmup(inputs=[(X,)]))
+    adopt = GuardBackend.adopt
+
+    def off_by_one(self: GuardBackend, inner: Any, facts: Any) -> Any:
+        return adopt(self, lambda *a: [out + 1 for out in inner(*a)], facts)
+
+    monkeypatch.setattr(GuardBackend, "adopt", off_by_one)
+    g = guard(warmup=None)
+    torch.testing.assert_close(g(X), score(X))  # the canary caught it: eager's result
+    assert g.safecompile.state is State.ROLLED_BACK
+
+
+@pytest.mark.parametrize("fault", ["tampered", "unsigned"])
+def test_a_tampered_or_unsigned_artifact_is_traced_as_usual(cache_dir: Path, fault: str) -> None:
+    guard()
+    (path,) = saved_files(cache_dir)
+    data = path.read_bytes()
+    if fault == "tampered":
+        path.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))
+    else:
+        path.write_bytes(data[len(b"safecompile-hmac-v1\n") + 32 :])
+    before = traced()
+    with capture_logs() as logs:
+        g = guard()
+        torch.testing.assert_close(g(X), score(X))
+    assert traced() > before
+    found = [e for e in logs if e["event"] == "safecompile.precompiled"]
+    assert [e["outcome"] for e in found] == ["not_loaded"]
+    assert ("HMAC does not verify" if fault == "tampered" else "not signed") in found[0]["reason"]
+    assert g.safecompile.state is State.COMPILED
+
+
+def test_an_artifact_from_another_torch_is_traced_as_usual(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch's own check of the saving process's versions refuses it: today's path."""
+    guard()
+    from torch._dynamo.package import SystemInfo
+
+    now = SystemInfo.current()
+    other = type(now)(**{**vars(now), "torch_version": "9.9.9"})
+    monkeypatch.setattr(SystemInfo, "current", classmethod(lambda cls: other))
+    before = traced()
+    with capture_logs() as logs:
+        g = guard()
+        torch.testing.assert_close(g(X), score(X))
+    assert traced() > before
+    refused = next(e for e in logs if e["event"] == "safecompile.precompiled")
+    assert refused["outcome"] == "not_loaded"
+    assert "different PyTorch version" in refused["reason"]
+    assert g.safecompile.stats().graphs == 1  # the traced one, nothing half-loaded
+
+
+def test_a_call_no_loaded_guard_matches_is_traced(cache_dir: Path) -> None:
+    """Another shape, or grad mode off: the loaded guards fail, the call traces."""
+    guard()
+    with capture_logs() as logs:
+        g = guard()
+        before = traced()
+        y = torch.randn(4, 8)
+        torch.testing.assert_close(g(y), score(y))
+        with torch.no_grad():
+            torch.testing.assert_close(g(X), score(X))
+    assert traced() > before
+    assert outcomes(logs) == ["loaded", "no_guard_matched"]  # said once
+    assert g.safecompile.stats().graphs == 3
+
+
+def plain(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+    return gm.forward
+
+
+def test_what_cannot_be_saved_is_said_once(cache_dir: Path) -> None:
+    """A backend whose result torch cannot serialize: nothing saved, one event."""
+    with capture_logs() as logs:
+        guard(backend=plain, warmup=Warmup(inputs=[(X,), (torch.randn(4, 8),)]))
+    assert outcomes(logs) == ["missing", "not_saved"]
+    assert "SerializableCallable" in [e for e in logs if "outcome" in e][1]["reason"]
+    assert saved_files(cache_dir) == []
+
+
+def test_a_function_reading_a_global_value_is_not_saved(cache_dir: Path) -> None:
+    """A precompiled function would read the globals as saved, unguarded: not saved."""
+    with capture_logs() as logs:
+        guard(scaled)
+    assert "SCALE" in next(e for e in logs if e.get("outcome") == "not_saved")["reason"]
+    assert saved_files(cache_dir) == []
+
+
+def test_reset_forgets_the_precompiled_functions(cache_dir: Path) -> None:
+    guard()
+    g = guard()
+    g.safecompile.reset()
+    assert saved_files(cache_dir) == []
+    before = traced()
+    torch.testing.assert_close(g(X), score(X))
+    assert traced() > before
+
+
+def test_a_replica_loads_what_another_saved_through_the_remote_tier(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_url: str
+) -> None:
+    """Another machine's cache dir is empty: the functions come from Redis, still signed."""
+    monkeypatch.setenv(REMOTE_ENV_VAR, redis_url)
+    _remote.reset()
+    try:
+        monkeypatch.setenv("SAFECOMPILE_CACHE_DIR", str(tmp_path / "one"))
+        guard()
+        monkeypatch.setenv("SAFECOMPILE_CACHE_DIR", str(tmp_path / "two"))
+        before = traced()
+        g = guard()
+        torch.testing.assert_close(g(X), score(X))
+        assert traced() == before
+        assert saved_files(tmp_path / "two") == []
+    finally:
+        _remote.reset()
+
+
+CHILD = """
+import copy, json, sys
+sys.path[:0] = [{here!r}, {repo!r}]
+import torch
+from torch._dynamo.utils import counters
+import usercode
+from safecompile import Warmup, safe_compile
+
+m = usercode.Net().eval()
+with torch.no_grad():
+    m.a.weight.mul_({scale})  # this process's own weights
+ref = copy.deepcopy(m)
+g = safe_compile(m, backend="inductor", warmup=Warmup(inputs=[(usercode.X,)]))
+torch.testing.assert_close(g(usercode.X), ref(usercode.X))
+stats = g.safecompile.stats()
+print(json.dumps({{"frames": counters["frames"]["total"], "graphs": stats.graphs,
+                  "compiled_calls": stats.compiled_calls, "checks": stats.shadow_checks,
+                  "state": g.safecompile.state.value}}))
+"""
+
+USERCODE = """
+import torch
+
+torch.manual_seed(0)
+X = torch.randn(4, 16)
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.b(torch.nn.functional.gelu(self.a(x)))
+"""
+
+
+@pytest.mark.inductor
+def test_a_new_process_loads_inductor_graphs_without_tracing(tmp_path: Path) -> None:
+    """A real warm restart: the second process traces no frame, and its calls are
+    compiled and checked against eager (a module, whose weights the new process owns)."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "usercode.py").write_text(textwrap.dedent(USERCODE))
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["SAFECOMPILE_CACHE_DIR"] = str(tmp_path / "cache")
+
+    def run(scale: float) -> dict[str, Any]:
+        script = CHILD.format(here=str(code), repo=str(REPO), scale=scale)
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        return result
+
+    cold = run(1.0)
+    assert cold["frames"] > 0
+    warm = run(3.0)
+    assert warm["frames"] == 0
+    assert (warm["graphs"], warm["compiled_calls"]) == (1, 1)
+    assert warm["checks"] == 2  # the warmup call and the first live call, both passed
+    assert warm["state"] == "canary"
