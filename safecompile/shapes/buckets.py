@@ -171,14 +171,12 @@ class _TensorNode(_Node):
         return obj
 
 
+@dataclasses.dataclass(slots=True, eq=False)
 class _LeafNode(_Node):
     """A non-tensor value kept as it is (None, numbers, strings)."""
 
-    __slots__ = ("cuts_any", "kind")
-
-    def __init__(self, kind: type[Any]) -> None:
-        self.kind = kind
-        self.cuts_any = False
+    kind: type[Any]
+    cuts_any: bool = False
 
     def apply(self, obj: Any, lengths: tuple[int, ...], path: str) -> Any:
         if type(obj) is not self.kind:
@@ -424,9 +422,6 @@ def _learn_tensor(p: _Tensor, e: object, path: str, plan: Plan) -> _TensorNode:
 
 # ---------------------------------------------------------------- the bucketer
 
-_CUDAGRAPH_BACKENDS = ("cudagraphs",)
-
-
 def resolve_strategy(
     policy: Buckets,
     *,
@@ -439,7 +434,7 @@ def resolve_strategy(
     compiled code needs static shapes (CUDA graphs, ``dynamic=False``), else ``"dynamic"``."""
     if policy.strategy != "auto":
         return policy.strategy
-    if dynamic is False or backend in _CUDAGRAPH_BACKENDS:
+    if dynamic is False or backend == "cudagraphs":
         return "pad"
     if dynamic is True:
         return "dynamic"
@@ -451,7 +446,7 @@ def uses_cudagraphs(
 ) -> bool:
     """Whether these compile options run CUDA graphs: the ``"cudagraphs"`` backend, or
     inductor with ``triton.cudagraphs`` on (set by itself or by the ``mode``)."""
-    if backend in _CUDAGRAPH_BACKENDS:
+    if backend == "cudagraphs":
         return True
     # mode_options gives a fresh dict; safe_compile validated the mode against its keys
     settings = torchcompat.mode_options(mode) if mode is not None and backend == "inductor" else {}
@@ -790,10 +785,17 @@ class Bucketer:
                 "size, so padding changed no shape (such a call needs no cut)"
             )
         root = _walk(padded_out, eager_out, "", lambda p, e, path: _learn_tensor(p, e, path, plan))
-        spec = CutSpec(plan.key, plan.sizes, "learned", root, self.axes)
-        if self.policy.outputs is not None:
-            self._check_declared(spec, plan)
-        return spec
+        if self.policy.outputs is not None:  # the guard takes declared_cuts instead
+            learned = {path: list(n.cuts) for path, n in _tensor_nodes(root)}
+            for path, n in _tensor_nodes(self.declared_cuts(plan, padded_out).root):
+                padded = zip(n.cuts, n.axes, strict=True)
+                want = [d for d, a in padded if plan.sizes[a] != plan.lengths[a]]
+                if want != learned[path]:
+                    raise UnpadError(
+                        f"Buckets(outputs=...) cuts {_show(path)} at dims {want}, but padding "
+                        f"changed dims {learned[path]} (padded shape {n.shape})"
+                    )
+        return CutSpec(plan.key, plan.sizes, "learned", root, self.axes)
 
     def declared_cuts(self, plan: Plan, padded_out: object) -> CutSpec:
         """The cut for ``plan.key`` from ``Buckets(outputs=...)``, without eager."""
@@ -883,21 +885,6 @@ class Bucketer:
         return _TensorNode(
             shape, tuple(d for d, _ in cuts), p.is_contiguous(), tuple(a for _, a in cuts)
         )
-
-    def _check_declared(self, spec: CutSpec, plan: Plan) -> None:
-        """A learned spec against the declaration (only axes this call pads can show)."""
-        nodes = dict(_tensor_nodes(spec.root))
-        self._check_paths(set(nodes))
-        for path, node in nodes.items():
-            want = [
-                d for d, axis in self._declared_for(path) if plan.sizes[axis] != plan.lengths[axis]
-            ]
-            rank = len(node.shape)
-            if sorted(d + rank if d < 0 else d for d in want) != list(node.cuts):
-                raise UnpadError(
-                    f"Buckets(outputs=...) cuts {_show(path)} at dims {want}, but "
-                    f"padding changed dims {list(node.cuts)} (padded shape {node.shape})"
-                )
 
     def _check_paths(self, seen: set[str]) -> None:
         """Every output path the declaration names must be a tensor of the output."""
