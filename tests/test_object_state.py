@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from safecompile import EventKind, Shadow, State, Warmup, safe_compile
+from safecompile.checks.snapshot import Snapshot
 from safecompile.guard import engine as engine_module
 from safecompile.guard import graphs as graphs_module
 from safecompile.testing import DriftingBackend, RecordingBackend
@@ -364,3 +365,45 @@ def test_drift_in_a_module_attribute_alone_is_caught_and_eager_attributes_kept()
     breach = [e.message for e in guarded.safecompile.events() if e.kind is EventKind.BREACH]
     assert "Python objects it updates differ" in str(breach[0])
     assert "last" in str(breach[0])
+
+
+class Recorder(torch.nn.Module):
+    """Keeps the last input's double in a buffer it rebinds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("last", torch.zeros(2, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.last = x * 2
+        return x.argmax(-1)
+
+
+def test_drift_in_a_rebound_buffer_alone_is_caught_and_eager_buffer_kept() -> None:
+    model = Recorder()
+    guarded = safe_compile(
+        model, backend=DriftingBackend(scale=1.05), shadow=Shadow(canary=2, every=1)
+    )
+    x = torch.randn(2, 4)
+    torch.testing.assert_close(guarded(x), x.argmax(-1))
+    torch.testing.assert_close(model.last, x * 2, rtol=0, atol=0)
+    assert "last" in dict(model.named_buffers())
+    assert guarded.safecompile.state is State.ROLLED_BACK
+    breach = [e.message for e in guarded.safecompile.events() if e.kind is EventKind.BREACH]
+    assert "Recorder._buffers" in str(breach[0])
+
+
+def test_a_buffer_eager_alone_rebinds_is_compared_and_put_back_on_a_pass() -> None:
+    """Eager may take a path the compiled run did not: a buffer only eager rebound is
+    compared too, and a pass leaves what the compiled run left."""
+    model = Recorder()
+    before = model.last
+    snapshot = Snapshot.take((), model, copy=False)
+    after = snapshot.swap_back()  # the compiled run changed nothing
+    model.last = torch.ones(2, 4)  # eager rebinds the buffer
+    after = snapshot.settle(after)
+    compiled, eager = after.object_states()
+    assert compiled == {"Recorder._buffers": {"last": before}}
+    assert eager["Recorder._buffers"]["last"] is model.last
+    after.keep_compiled()
+    assert model.last is before

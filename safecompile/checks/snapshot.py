@@ -39,12 +39,9 @@ class After:
     """The compiled run's state updates, set aside while eager runs."""
 
     tensors: list[tuple[torch.Tensor, torch.Tensor]]  # (live tensor, compiled's value)
-    # (module, name, compiled's value, eager's value), for rebound buffers
-    rebound: list[tuple[torch.nn.Module, str, torch.Tensor | None, torch.Tensor | None]]
-    # (the object, what the compiled run left in it, what eager left in it); a module
-    # whose plain attributes the call rebound is one, keyed by those attributes
-    objects: list[tuple[_Object, Any, Any]] = field(default_factory=list)
-    left: set[int] = field(default_factory=set)  # ids of tensors a buffer no longer holds
+    # (the object, what the compiled run left in it, what eager left in it); a module's
+    # buffers and its plain attributes are two, keyed by the names a run rebound
+    objects: list[tuple[_Object, Any, Any]]
 
     def compiled_value(self, value: Any) -> Any:
         """``value`` as the compiled run left it: a tensor it updated in place (put back
@@ -65,25 +62,19 @@ class After:
         with torch.no_grad():
             for t, compiled in self.tensors:
                 t.copy_(compiled)
-        for module, name, buffer, _ in self.rebound:
-            if buffer is None:
-                module._buffers.pop(name, None)
-            else:
-                module._buffers[name] = buffer
         for o, compiled, _ in self.objects:
             _put(o.obj, o.keys, compiled)
 
     def tensor_states(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
-        """What the compiled run and eager left in the updated tensors and buffers."""
+        """What the compiled run and eager left in the tensors updated in place."""
         moved = self._moved()
         kept = [(t, v) for t, v in self.tensors if id(t) not in moved]
-        compiled = [v for _, v in kept] + [self.compiled_value(c) for _, _, c, _ in self.rebound]
-        return compiled, [t for t, _ in kept] + [e for _, _, _, e in self.rebound]
+        return [v for _, v in kept], [t for t, _ in kept]
 
     def _moved(self) -> set[int]:
         """Tensors updated in place whose place (a buffer, an object's attribute) either
         run rebound: compared by their place (the two runs may alias differently)."""
-        moved = {id(c) for _, _, c, e in self.rebound if c is not e} | self.left
+        moved: set[int] = set()
         for o, compiled, eager in self.objects:
             if isinstance(compiled, dict) and isinstance(eager, dict):
                 moved.update(id(v) for k, v in compiled.items() if v is not eager.get(k, ABSENT))
@@ -156,7 +147,7 @@ class Snapshot:
         """Whether anything differs from when the snapshot was taken."""
         return (
             bool(self._in_place())
-            or any(_rebound(m) or _changed_attrs(m) for m in self.modules)
+            or any(_moves(m) for m in self.modules)
             or any(_differs(o.refs, contents_of(o.obj, o.keys)) for o in self.objects)
         )
 
@@ -177,41 +168,27 @@ class Snapshot:
                 assert saved is not None
                 tensors.append((t, t.detach().clone()))
                 t.copy_(saved)
-        rebound: list[tuple[torch.nn.Module, str, torch.Tensor | None, torch.Tensor | None]]
-        rebound = []
-        attrs = []
-        for m in self.modules:
-            now = m.module._buffers
-            rebound.extend((m.module, name, now.get(name), None) for name in _rebound(m))
-            now.clear()
-            now.update(m.buffers)
-            if names := tuple(_changed_attrs(m)):
-                before = {k: m.attrs.get(k, ABSENT) for k in names}
-                attrs.append(_Object(m.name, m.module, names, before, before))
+        moved = [o for m in self.modules for o in _moves(m)]
         objects = []
-        for o in [*attrs, *self.objects]:  # every named object: eager may update it alone
+        for o in [*moved, *self.objects]:  # every named object: eager may update it alone
             objects.append((o, contents_of(o.obj, o.keys), None))
             _put(o.obj, o.keys, o.copies, unless=o.refs)
-        return After(tensors, rebound, objects)
+        return After(tensors, objects)
 
     def settle(self, after: After) -> After:
-        """After eager ran: fill in eager's side of every update, for the comparison."""
-        after.rebound = [(m, n, c, m._buffers.get(n)) for m, n, c, _ in after.rebound]
-        listed = {(id(m), n) for m, n, _, _ in after.rebound}
-        for state in self.modules:
-            now = state.module._buffers
-            after.rebound.extend(
-                (state.module, name, before, now.get(name))
-                for name, before in state.buffers.items()
-                if (id(state.module), name) not in listed and now.get(name) is not before
-            )
-            after.left.update(
-                id(before)
-                for name, before in state.buffers.items()
-                if before is not None
-                and ((id(state.module), name) in listed or now.get(name) is not before)
-            )
-        after.objects = [(o, c, contents_of(o.obj, o.keys)) for o, c, _ in after.objects]
+        """After eager ran: fill in eager's side of every update, for the comparison; a
+        module's buffer or attribute that eager alone rebound joins its place's keys."""
+        objects = [(o, c) for o, c, _ in after.objects]
+        for place in [o for m in self.modules for o in _moves(m)]:
+            i = next((i for i, (o, _) in enumerate(objects) if o.obj is place.obj), None)
+            if i is None:
+                objects.append((place, place.refs))  # the compiled run left it as it was
+                continue
+            o, compiled = objects[i]
+            if extra := {k: v for k, v in place.refs.items() if k not in (o.keys or ())}:
+                o = _Object(o.name, o.obj, (*(o.keys or ()), *extra), {**o.refs, **extra}, None)
+                objects[i] = (o, {**compiled, **extra})
+        after.objects = [(o, c, contents_of(o.obj, o.keys)) for o, c in objects]
         return after
 
     def _in_place(self) -> list[tuple[torch.Tensor, int, torch.Tensor | None]]:
@@ -227,14 +204,20 @@ class Snapshot:
         return self._updated
 
 
-def _changed_attrs(m: _ModuleState) -> list[str]:
-    now = _plain_attrs(m.module)
-    return [k for k in now.keys() | m.attrs.keys() if now.get(k, m) is not m.attrs.get(k, m)]
-
-
-def _rebound(m: _ModuleState) -> list[str]:
-    now = m.module._buffers
-    return [k for k in now.keys() | m.buffers.keys() if now.get(k) is not m.buffers.get(k)]
+def _moves(m: _ModuleState) -> list[_Object]:
+    """A module's places (its buffers, its plain attributes) with a name rebound since the
+    snapshot, each as an object keyed by those names, holding what they held."""
+    found = []
+    for name, obj, before, now in (
+        (f"{m.name}._buffers", m.module._buffers, m.buffers, m.module._buffers),
+        (m.name, m.module, m.attrs, _plain_attrs(m.module)),
+    ):
+        changed = now.keys() | before.keys()
+        keys = sorted(k for k in changed if now.get(k, ABSENT) is not before.get(k, ABSENT))
+        if keys:
+            held = {k: before.get(k, ABSENT) for k in keys}
+            found.append(_Object(name, obj, tuple(keys), held, held))
+    return found
 
 
 # ---------------------------------------------------------------- Python objects
