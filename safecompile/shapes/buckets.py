@@ -422,6 +422,7 @@ def _learn_tensor(p: _Tensor, e: object, path: str, plan: Plan) -> _TensorNode:
 
 # ---------------------------------------------------------------- the bucketer
 
+
 def resolve_strategy(
     policy: Buckets,
     *,
