@@ -66,7 +66,7 @@ def _tell_spinners(compiling: Compiling, *, done: bool) -> None:
     for shown in spinners:
         with contextlib.suppress(Exception):  # a broken terminal never breaks a compile
             if done:
-                shown.done(compiling)
+                shown.clear()
             else:
                 shown.slow(compiling)
 
@@ -172,9 +172,6 @@ class _Spinner:
         )
         self.tickers.append((ticker, compiling))
         ticker.start()
-
-    def done(self, compiling: Compiling) -> None:
-        self.clear()
 
     def _show(self, compiling: Compiling) -> None:
         with self.lock:

@@ -37,7 +37,6 @@ __all__ = [
     "graph_breaks_of",
     "innermost_user_frame",
     "is_generated_file",
-    "is_ours",
     "is_user_file",
     "location_fields",
     "location_of_error",
@@ -144,16 +143,11 @@ def _our_dir() -> str:
     return _norm(os.path.dirname(os.path.dirname(__file__)))
 
 
-def is_ours(filename: str) -> bool:
-    """Whether ``filename`` is one of safecompile's own files."""
-    return bool(filename) and _under(_norm(filename), _our_dir())
-
-
 def without_our_frames(exc: BaseException) -> BaseException:
     """``exc`` (the same object) without its leading safecompile frames, so the traceback
     a user reads starts in their code; kept whole when every frame is ours."""
     tb = exc.__traceback__
-    while tb is not None and is_ours(tb.tb_frame.f_code.co_filename):
+    while tb is not None and _under(_norm(tb.tb_frame.f_code.co_filename), _our_dir()):
         tb = tb.tb_next
     return exc if tb is None else exc.with_traceback(tb)
 

@@ -196,9 +196,6 @@ class _CallsEntry:
         self.last = (0, 0)
         self.last_instruments: _Instruments | None = None
 
-    def alive(self) -> bool:
-        return self.owner() is not None and self.source() is not None
-
     def _reports_to(self, instruments: _Instruments) -> bool:
         owner = self.owner()
         return owner is not None and owner._instruments() is instruments
@@ -254,7 +251,7 @@ class _CallsRegistry:
             return list(self._entries)
 
     def _prune(self) -> None:
-        for entry in [e for e in self._entries if not e.alive()]:
+        for entry in [e for e in self._entries if e.owner() is None or e.source() is None]:
             self._entries.discard(entry)
             entry.retire()
 
