@@ -51,7 +51,7 @@ import torch  # noqa: E402
 from _models import MLP  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 from safecompile import Shadow, Stats, safe_compile  # noqa: E402
-from safecompile.guard.controller import Controller  # noqa: E402
+from safecompile.guard._controller import Controller  # noqa: E402
 from safecompile.guard.shadow import drain  # noqa: E402
 
 torch.set_num_threads(1)

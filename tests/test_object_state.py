@@ -19,7 +19,7 @@ import torch
 
 from safecompile import EventKind, Shadow, State, Warmup, safe_compile
 from safecompile.checks.snapshot import Snapshot
-from safecompile.guard import engine as engine_module
+from safecompile.guard import _engine as engine_module
 from safecompile.guard import graphs as graphs_module
 from safecompile.testing import DriftingBackend, RecordingBackend
 

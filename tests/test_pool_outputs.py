@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from safecompile import Shadow, State, Warmup, safe_compile
-from safecompile.guard import engine as engine_module
+from safecompile.guard import _engine as engine_module
 from safecompile.guard import shadow as shadow_module
 from safecompile.shapes.buckets import uses_cudagraphs
 from safecompile.testing import (

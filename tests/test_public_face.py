@@ -32,7 +32,7 @@ def _public(obj: object) -> set[str]:
 def _reference_members() -> set[str]:
     """The members the API reference page renders for the controller."""
     text = REFERENCE.read_text()
-    block = text.split("::: safecompile.guard.controller.Controller", 1)[1].split(":::", 1)[0]
+    block = text.split("::: safecompile.guard._controller.Controller", 1)[1].split(":::", 1)[0]
     listed = block.split("members:", 1)[1]
     return set(re.findall(r"^\s+- (\w+)\s*$", listed, flags=re.MULTILINE))
 

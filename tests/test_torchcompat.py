@@ -12,8 +12,8 @@ from structlog.testing import capture_logs
 
 from safecompile import Shadow, State, safe_compile
 from safecompile.base import torchcompat
+from safecompile.guard import _engine as engine_module
 from safecompile.guard import backend as guard_backend
-from safecompile.guard import engine as engine_module
 from safecompile.observe.log import (
     LINE_LIMIT,
     Once,

@@ -7,8 +7,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from ._frozen import FrozenMap
 from .errors import ConfigError
-from .frozen import FrozenMap
 
 __all__ = ["FOREVER", "Axis", "Buckets", "Rollback", "Shadow", "Warmup", "pow2", "steps"]
 

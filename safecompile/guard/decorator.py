@@ -28,10 +28,10 @@ from safecompile.observe.telemetry import Telemetry
 from safecompile.persist.remote import activate as activate_remote_cache
 from safecompile.shapes.buckets import Bucketer, Strategy, resolve_strategy
 
+from ._controller import Controller
+from ._engine import Engine
+from ._paths import entrypoint
 from .backend import build_compiler, validate_compile_options
-from .controller import Controller
-from .engine import Engine
-from .paths import entrypoint
 from .peers import Fleet, Peers
 from .shadow import Sink
 
@@ -43,7 +43,7 @@ M = TypeVar("M", bound=torch.nn.Module)
 @runtime_checkable
 class Guarded(Protocol):
     """What ``safe_compile`` returns for a function: call it like the original;
-    ``.safecompile`` is its :class:`~safecompile.guard.controller.Controller`."""
+    ``.safecompile`` is its :class:`~safecompile.guard._controller.Controller`."""
 
     safecompile: Controller
 

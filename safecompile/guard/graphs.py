@@ -31,7 +31,7 @@ from safecompile.base.policies import FOREVER, Shadow
 from safecompile.observe.log import torch_missing
 from safecompile.observe.source import graph_breaks_of
 
-from .slots import CallState, Slot
+from ._slots import CallState, Slot
 
 __all__ = [
     "Call",
@@ -143,7 +143,7 @@ class GraphRecord:
 CallSlot = Slot[GraphRecord]
 """A thread's call slot, holding this module's graph records."""
 Call = CallState[GraphRecord]
-"""One call down the slow path (:mod:`safecompile.guard.paths`)."""
+"""One call down the slow path (:mod:`safecompile.guard._paths`)."""
 
 
 class GraphTable:

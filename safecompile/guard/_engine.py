@@ -1,9 +1,9 @@
 """The engine of one guarded callable: the parts its calls need, and how they react.
 
-The call paths (:mod:`.paths`) take an :class:`Engine`, never the controller: the graph
-table (:mod:`.graphs`), the trips (:mod:`.trips`), compiles in flight
-(:mod:`.compiles`), shadow checks (:mod:`.shadow`), the per-thread slots
-(:mod:`.slots`), the buckets, the speed verdict, the options, the clock and the events
+The call paths (:mod:`._paths`) take an :class:`Engine`, never the controller: the graph
+table (:mod:`.graphs`), the trips (:mod:`._trips`), compiles in flight
+(:mod:`._compiles`), shadow checks (:mod:`.shadow`), the per-thread slots
+(:mod:`._slots`), the buckets, the speed verdict, the options, the clock and the events
 sink. :class:`~.controller.Controller` is the public face over it.
 """
 
@@ -41,8 +41,10 @@ from safecompile.persist.restart import Persisted
 from safecompile.shapes.buckets import Bucketer, uses_cudagraphs
 from safecompile.shapes.table import BucketTable
 
+from ._compiles import CompileTracker, KnownFailures
+from ._slots import Slots
+from ._trips import TripHooks, Trips
 from .backend import compile_function, own_frame
-from .compiles import CompileTracker, KnownFailures
 from .graphs import (
     Call,
     CallSlot,
@@ -57,8 +59,6 @@ from .graphs import (
 from .peers import Peers
 from .precompile import Precompiled
 from .shadow import ShadowRunner, Sink
-from .slots import Slots
-from .trips import TripHooks, Trips
 
 __all__ = ["Engine", "Gate"]
 
@@ -67,7 +67,7 @@ _TICK = 1024  # at most this many calls of a thread between reports to the speed
 
 
 class Gate:
-    """The one prepared value the hot path reads (see :mod:`.paths`)."""
+    """The one prepared value the hot path reads (see :mod:`._paths`)."""
 
     __slots__ = ("compiled", "disabled", "fast", "generation", "token")
 
@@ -331,7 +331,7 @@ class Engine:
         max_rel: float | None = None,
     ) -> None:
         """Send every later call to eager (until ``retry_after``, or ``reset()``); with a
-        process group, the peers follow at the next safe point (:mod:`.trips`)."""
+        process group, the peers follow at the next safe point (:mod:`._trips`)."""
 
         def event() -> Event:
             text = ""

@@ -46,7 +46,7 @@ from safecompile.persist import remote
 from safecompile.shapes.buckets import BucketError
 from safecompile.shapes.table import BucketEntry, BucketStatus, unmark
 
-from .engine import Engine
+from ._engine import Engine
 from .graphs import Call, CallSlot, GraphRecord
 from .shadow import sync_device
 

@@ -4,7 +4,7 @@ Every thread that calls a guarded callable gets one :class:`Slot` (a thread-loca
 hot path counts in its own slot, without a lock, and the graph wrappers
 (:mod:`safecompile.guard.graphs`) note there which graph served the call and whether a
 check is due. A call that takes the slow path is one :class:`CallState`, handed along
-that path (:mod:`safecompile.guard.paths`).
+that path (:mod:`safecompile.guard._paths`).
 """
 
 from __future__ import annotations

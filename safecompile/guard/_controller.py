@@ -1,7 +1,7 @@
 """The ``.safecompile`` attribute of a guarded callable: the public face of its engine.
 
 The parts and what they do together live in :class:`~.engine.Engine`; the calls take
-the paths in :mod:`.paths`. The controller answers what the docs document, and nothing
+the paths in :mod:`._paths`. The controller answers what the docs document, and nothing
 more: ``name``, ``state``, ``stats()``, ``events()``, ``warmup()``, ``wait_warm()``,
 ``rollback()``, ``reset()``, ``report()`` and ``sync()``.
 """
@@ -17,9 +17,9 @@ from safecompile.checks.speed import CallSpeed
 from safecompile.observe.log import torch_missing
 from safecompile.observe.source import location_fields
 
-from .engine import Engine
+from ._engine import Engine
+from ._paths import warm_call
 from .graphs import GraphRecord
-from .paths import warm_call
 
 __all__ = ["Controller"]
 
