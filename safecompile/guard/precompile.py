@@ -35,11 +35,12 @@ SCOPE = "torch.compile.aot_compile"  # the verdict listing a key's precompiled f
 PURPOSE = "precompiled"  # the MAC's purpose for a function's bytes
 MAX_BYTES = 1 << 30
 READ_TIMEOUT_S = 30.0
-# Guards on a global that hold while it is the same object; any other reads a value.
-_IDENTITY = frozenset(["BUILTIN", "CLASS", "CLOSURE", "FUNCTION", "ID", "MODULE"])  # ..._MATCH
+# Guards (``<kind>_MATCH``) on a global that hold while it is the same object; any
+# other guard on a global reads its value.
+_IDENTITY = frozenset(["BUILTIN", "CLASS", "CLOSURE", "FUNCTION", "ID", "MODULE"])
 _TORCH_GLOBAL = "G['__import_torch"  # torch's own modules: part of the torch version
 
-Call = tuple[tuple[Any, ...], dict[str, Any]]
+Args = tuple[tuple[Any, ...], dict[str, Any]]  # a call's positional and keyword arguments
 Adopt = Callable[[Callable[..., Any], GraphFacts], Callable[..., Any]]
 
 
@@ -85,7 +86,7 @@ class Precompiled:
         assert self._traced is not None  # serving() came first
         return self._traced(*args, **kwargs)
 
-    def save(self, calls: list[Call], name: str, buckets: BucketTable | None) -> None:
+    def save(self, calls: list[Args], name: str, buckets: BucketTable | None) -> None:
         """After a warmup that passed: each warm signature, as the compiled function got
         it (padded; a rejected bucket's left out), precompiled and saved."""
         key, store = self._key, self._store
@@ -212,7 +213,7 @@ class Precompiled:
             log_event("safecompile.precompiled", level=level, outcome=outcome, reason=reason)
 
 
-def _as_compiled(call: Call, buckets: BucketTable | None) -> Call | None:
+def _as_compiled(call: Args, buckets: BucketTable | None) -> Args | None:
     """A warm call's arguments as the compiled function got them (``None``: it did not)."""
     plan = buckets.bucketer.plan(*call) if buckets is not None else None
     if buckets is None or plan is None or plan.status != "bucketed":
