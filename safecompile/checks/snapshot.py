@@ -1,13 +1,10 @@
 """State around a checked call: what the compiled run changed, undone before eager runs.
 
-A shadow check runs eager after the compiled call on the caller's own tensors, so state
-the compiled run updated (a buffer in place or rebound, a plain module attribute, an
-input in place, a Python object its frame stores into) would be updated twice. A
-:class:`Snapshot` taken before the call's first graph tells what changed; the check
-swaps the state back, runs eager once, compares both updates like outputs, and on a pass
-puts the compiled run's state back. Tensor values are copied only for graphs known to
-update tensors in place; Python objects (:func:`safecompile.guard.graphs.outside_effects`)
-are copied whole, tensors cloned (under CUDA graphs they may live in a reused pool).
+Eager reruns on the caller's own state, which the compiled run already updated (inputs
+and buffers in place, a module's rebound buffers and attributes, Python objects its frame
+stores into). A :class:`Snapshot` taken before the first graph tells what changed; the
+check swaps it back, runs eager, compares both updates, and on a pass keeps the compiled
+run's. Python objects are copied with tensors cloned (CUDA graphs reuse a pool).
 """
 
 from __future__ import annotations

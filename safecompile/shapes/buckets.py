@@ -1,11 +1,8 @@
 """Shape buckets: pad bucketed argument dims up to a bucket size, cut outputs back.
 
-The guard asks :meth:`Bucketer.plan` on every call (memoised on the arguments' shapes),
-pads with :meth:`Bucketer.pad` and cuts the output back with :meth:`Bucketer.unpad`
-using a :class:`CutSpec` made once per plan key: learned from one padded output against
-unpadded eager's, declared by ``Buckets(outputs=...)``, or restored from an earlier
-process. A spec records every output tensor's padded shape, so an output that does not
-look exactly as it did raises :class:`UnpadError` instead of being cut on a guess.
+A :class:`CutSpec` (learned against unpadded eager, declared by ``Buckets(outputs=...)``,
+or restored) records every output tensor's padded shape, so an output that does not look
+exactly as it did raises :class:`UnpadError` instead of being cut on a guess.
 """
 
 from __future__ import annotations
@@ -435,11 +432,9 @@ def resolve_strategy(
     compiled code needs static shapes (CUDA graphs, ``dynamic=False``), else ``"dynamic"``."""
     if policy.strategy != "auto":
         return policy.strategy
-    if dynamic is False or backend == "cudagraphs":
-        return "pad"
-    if dynamic is True:
-        return "dynamic"
-    return "pad" if uses_cudagraphs(backend, mode, options) else "dynamic"
+    if dynamic is None:
+        return "pad" if uses_cudagraphs(backend, mode, options) else "dynamic"
+    return "pad" if dynamic is False or backend == "cudagraphs" else "dynamic"
 
 
 def uses_cudagraphs(
@@ -520,8 +515,6 @@ class Bucketer:
     @property
     def _table(self) -> list[int] | None:  # the first axis's lookup table (tests read it)
         return self._tables[0]
-
-    # -- per call
 
     def bucket(self, length: int, axis: int = 0) -> int | None:
         """The smallest size of ``axis`` that holds ``length`` (``None``: too long)."""
@@ -685,8 +678,6 @@ class Bucketer:
             padded.append((t.where, F.pad(tensor, t.pad, value=t.value)))
         return _replaced(args, kwargs, padded)
 
-    # -- warmup
-
     def warmup_lengths(self, axis: int = 0) -> tuple[int, ...]:
         """One length per size of ``axis``: ``size - 1``, padded by one so the bucket's
         cut is learned and checked before traffic (the size where it is alone)."""
@@ -747,8 +738,8 @@ class Bucketer:
     def resize(
         self, args: tuple[Any, ...], kwargs: Mapping[str, Any], lengths: int | tuple[int, ...]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """An example call with each bucketed dim made its axis's length: cut when longer,
-        tiled when shorter (masks and ids stay realistic)."""
+        """An example call with each bucketed dim made its axis's length (tiled, then cut:
+        masks and ids stay realistic)."""
         if isinstance(lengths, int):
             lengths = (lengths,) * len(self.axes)
         self.check_dims(args, kwargs)
@@ -769,12 +760,9 @@ class Bucketer:
                 if n < length:
                     t = torch.cat([t] * -(-length // n), dim=d)
                 t = t.narrow(d, 0, length)
-            # Plain strides, like live traffic's: dynamo guards on a view's base and on
-            # strides, so a view would compile graphs of its own.
+            # plain strides, like live traffic's: a view would compile graphs of its own
             resized.append((where, t.clone(memory_format=torch.contiguous_format)))
         return _replaced(args, kwargs, resized)
-
-    # -- outputs
 
     def learn_cuts(self, plan: Plan, padded_out: object, eager_out: object) -> CutSpec:
         """The cut for ``plan.key`` from one padded output and eager's: a dim is cut where
@@ -805,7 +793,12 @@ class Bucketer:
         root = _walk(
             padded_out, _NO_EAGER, "", lambda p, _, path: self._declared_node(p, path, plan)
         )
-        self._check_paths({path for path, _ in _tensor_nodes(root)})
+        seen = {path for path, _ in _tensor_nodes(root)}
+        if isinstance(self._declared, dict) and (unknown := sorted(set(self._declared) - seen)):
+            raise UnpadError(
+                f"Buckets(outputs=...) names {unknown}, which the output does not have "
+                f"as tensors; its tensor paths are {sorted(seen)} ('' is the output itself)"
+            )
         return CutSpec(plan.key, plan.sizes, "declared", root, self.axes)
 
     def restored_cuts(self, plan: Plan, padded_out: object, saved: list[Any]) -> CutSpec:
@@ -857,8 +850,6 @@ class Bucketer:
             )
         return cuts.root.apply(out, plan.lengths, "")  # type: ignore[no-any-return]
 
-    # -- declared cuts
-
     def _declared_for(self, path: str) -> _Dims:
         """The declared cut dims of one output path, each with its axis index."""
         declared = self._declared
@@ -886,16 +877,6 @@ class Bucketer:
         return _TensorNode(
             shape, tuple(d for d, _ in cuts), p.is_contiguous(), tuple(a for _, a in cuts)
         )
-
-    def _check_paths(self, seen: set[str]) -> None:
-        """Every output path the declaration names must be a tensor of the output."""
-        declared = self._declared
-        unknown = sorted(set(declared) - seen) if isinstance(declared, dict) else []
-        if unknown:
-            raise UnpadError(
-                f"Buckets(outputs=...) names {unknown}, which the output does not have "
-                f"as tensors; its tensor paths are {sorted(seen)} ('' is the output itself)"
-            )
 
 
 def _replaced(
