@@ -850,16 +850,12 @@ class Bucketer:
             )
         return cuts.root.apply(out, plan.lengths, "")  # type: ignore[no-any-return]
 
-    def _declared_for(self, path: str) -> _Dims:
-        """The declared cut dims of one output path, each with its axis index."""
-        declared = self._declared
-        return declared.get(path, ()) if isinstance(declared, dict) else declared or ()
-
     def _declared_node(self, p: _Tensor, path: str, plan: Plan) -> _TensorNode:
         """One output tensor's node from the declaration; each dim must be its axis's size."""
         shape = tuple(p.shape)
+        declared = self._declared
         cuts = []
-        for d, axis in self._declared_for(path):
+        for d, axis in declared.get(path, ()) if isinstance(declared, dict) else declared or ():
             n = d + len(shape) if d < 0 else d
             if not 0 <= n < len(shape):
                 raise UnpadError(
