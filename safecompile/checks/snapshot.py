@@ -62,7 +62,7 @@ class After:
         for o, compiled, _ in self.objects:
             _put(o.obj, o.keys, compiled)
 
-    def tensor_states(self) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+    def tensor_states(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """What the compiled run and eager left in the tensors updated in place."""
         moved = self._moved()
         kept = [(t, v) for t, v in self.tensors if id(t) not in moved]
