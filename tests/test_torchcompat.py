@@ -72,6 +72,10 @@ def test_lookup_reads_modules_then_attributes() -> None:
     assert torchcompat.lookup("torch._no_such_module.attr") is None
 
 
+def _double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
 def test_every_accessor_finds_its_name_on_the_installed_torch() -> None:
     """On the torch the project pins, nothing is missing (an upgrade that drops one fails here)."""
     assert len(torchcompat.compile_errors()) == 2
@@ -99,6 +103,11 @@ def test_every_accessor_finds_its_name_on_the_installed_torch() -> None:
     tensor = torch.zeros(4, 3)
     assert torchcompat.mark_dynamic(tensor, 0, 2, 8) is None
     assert any(hasattr(tensor, name) for name in torchcompat.DYNAMIC_MARKS)
+    module = torch.nn.Linear(2, 2)
+    assert torchcompat.compiled_original(torch.compile(module, backend="eager")) is module
+    assert torchcompat.compiled_original(torch.compile(_double, backend="eager")) is _double
+    assert torchcompat.compiled_original(module) is None
+    assert torchcompat.graph_line_map(torch.fx.symbolic_trace(torch.nn.ReLU()))
 
 
 def test_a_missing_marker_is_falsy_and_says_what_degrades(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -42,6 +42,7 @@ __all__ = [
     "compile_callbacks",
     "compile_errors",
     "compile_lock",
+    "compiled_original",
     "compiler_wrapper",
     "config_entry",
     "config_settings",
@@ -51,6 +52,7 @@ __all__ = [
     "dynamo_dir",
     "eager_backward",
     "frame_code",
+    "graph_line_map",
     "inductor_options",
     "is_op_overload",
     "is_tensor_property",
@@ -376,6 +378,23 @@ def is_tensor_property(source: object) -> bool:
     checked: 2.9.1, 2.13.0"""
     cls = lookup("torch._dynamo.source.TensorPropertySource")
     return isinstance(cls, type) and isinstance(source, cls)
+
+
+def compiled_original(fn: object) -> object | None:
+    """What ``torch.compile`` wrapped: an ``OptimizedModule``'s module, or the callable
+    under a dynamo-wrapped function; ``None`` when ``fn`` is neither.
+    checked: 2.9.1, 2.13.0 (``_orig_mod``, ``_torchdynamo_orig_callable``)"""
+    if isinstance(fn, torch.nn.Module):
+        orig = getattr(fn, "_orig_mod", None)
+        return orig if isinstance(orig, torch.nn.Module) else None
+    return getattr(fn, "_torchdynamo_orig_callable", None)
+
+
+def graph_line_map(module: torch.fx.GraphModule) -> dict[int, int] | None:
+    """A ``GraphModule``'s generated-code line (from ``forward``'s first) to its node's
+    index, or ``None``. checked: 2.9.1, 2.13.0 (``_lineno_map``)"""
+    found = getattr(module, "_lineno_map", None)
+    return found if isinstance(found, dict) else None
 
 
 def close_symbolic_trace_window() -> Missing | None:

@@ -187,11 +187,10 @@ def _unwrap(fn: object) -> object:
             inner = fn.__wrapped__  # type: ignore[attr-defined]
         elif isinstance(fn, types.FunctionType):
             return fn
+        elif (compiled := torchcompat.compiled_original(fn)) is not None:
+            inner = compiled
         elif isinstance(fn, torch.nn.Module):
-            orig = getattr(fn, "_orig_mod", None)  # torch.compile's OptimizedModule
-            inner = orig if isinstance(orig, torch.nn.Module) else getattr(fn, "forward", None)
-        elif getattr(fn, "_torchdynamo_orig_callable", None) is not None:
-            inner = fn._torchdynamo_orig_callable  # type: ignore[attr-defined]
+            inner = getattr(fn, "forward", None)
         elif isinstance(fn, functools.partial):
             inner = fn.func
         elif isinstance(fn, types.MethodType | staticmethod | classmethod):
@@ -324,8 +323,8 @@ def _graph_module_node(frame: types.FrameType, lineno: int) -> SourceLocation | 
         getattr(getattr(owner, "forward", None), "__code__", None)
         for owner in (type(module), module)
     ]
-    lineno_map = getattr(module, "_lineno_map", None)
-    if frame.f_code not in codes or not isinstance(lineno_map, dict):
+    lineno_map = torchcompat.graph_line_map(module)
+    if frame.f_code not in codes or lineno_map is None:
         return None
     index = lineno_map.get(lineno - frame.f_code.co_firstlineno)
     nodes = list(module.graph.nodes)
