@@ -3,6 +3,8 @@ function's own keywords passed through."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -94,3 +96,20 @@ def test_compile_check_takes_the_options() -> None:
     with pytest.raises(AssertionError, match="differs from eager"):
         CompileCheck(backend=wrong)(clean, torch.randn(2))
     CompileCheck(backend=wrong, check_outputs=False)(clean, torch.randn(2))
+
+
+class Breaking(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        torch._dynamo.graph_break()  # BREAK-IN-MODULE
+        return y + 1
+
+
+def test_a_guarded_module_is_checked_through_its_own_forward() -> None:
+    """A module guarded in place: its own forward is compiled afresh (not the guard), so
+    its break is found at its line and its calls through the guard are not counted."""
+    module: Any = safe_compile(Breaking(), backend="eager", shadow=None)
+    with pytest.raises(AssertionError, match=r"1 graph break\(s\), at most 0") as info:
+        assert_compiles(module, torch.randn(3))
+    assert f"test_assert_compiles.py:{marked_line('BREAK-IN-MODULE')}" in str(info.value)
+    assert module.safecompile.stats().calls == 0
