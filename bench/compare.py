@@ -47,8 +47,8 @@ Workloads (``--workloads``, comma-separated; default all):
 - ``bert``, ``gpt2``: tiny ``transformers`` BERT and GPT-2 from tests/zoo.py (hidden 32,
   2 layers), batch 8 x seq 32 with an attention mask.
 
-    python bench/compare.py                          # inductor, every workload: 150-280 s on a
-                                                     # warm FX cache at load 8-10
+    python bench/compare.py                          # inductor, every workload, warm FX cache:
+                                                     # 46 s at load 0.5, 150-280 s at load 8-10
     python bench/compare.py --workloads mlp-1,bert --rounds 15
     python bench/compare.py --quick                  # smoke run: inductor, 3 workloads
     python bench/compare.py --device cuda --mode reduce-overhead   # on a GPU (bench/gpu.sh)
