@@ -143,7 +143,10 @@ class Engine:
         self._compile_lock = threading.Lock()
         self.slots: Slots[GraphRecord] = Slots()
         self.table = GraphTable(opts.shadow)
-        self.trips = Trips(opts.rollback, self.clock, self._trip_hooks(), peers)
+        hooks = TripHooks(
+            self.record, self._counted, self.restart_speed, self._recovered, self.location
+        )
+        self.trips = Trips(opts.rollback, self.clock, hooks, peers)
         self.compiles = CompileTracker(self.update_gate)
         self.buckets = BucketTable(bucketer) if bucketer is not None else None
         target = module if module is not None else fn
@@ -166,7 +169,19 @@ class Engine:
         self._rollout_acc = 0.0
         self.start_afresh()
         # One backend for the life of the callable (torch keeps every one it is given).
-        self.backend = GuardBackend(compiler, self._graph_hooks(), opts.backend_label)
+        graph_hooks = GraphHooks(
+            table=self.table,
+            local=self.slots.local,
+            limit=opts.rollback.recompile_limit,
+            on_compile_start=self.compiles.enter,
+            on_compile_end=self.compiles.leave,
+            on_graph=self._on_graph,
+            snapshot=self._snapshot,
+            bucket_label=self.slots.bucket,
+            clock=self.clock,
+            announce=self._announce_compile,
+        )
+        self.backend = GuardBackend(compiler, graph_hooks, opts.backend_label)
         ks.register(name)
         self.refresh_switch()
         sink.observe_calls(self._call_counts, self.table.checks)
@@ -180,29 +195,6 @@ class Engine:
             self.speed = CallSpeed(policy)
         self.tally = Tally()
         time_tracing()  # again after ``torch._dynamo.reset()``, which clears it
-
-    def _trip_hooks(self) -> TripHooks:
-        return TripHooks(
-            record=self.record,
-            counted=self._counted,
-            restart_speed=self.restart_speed,
-            recovered=self._recovered,
-            location=self.location,
-        )
-
-    def _graph_hooks(self) -> GraphHooks:
-        return GraphHooks(
-            table=self.table,
-            local=self.slots.local,
-            limit=self.opts.rollback.recompile_limit,
-            on_compile_start=self.compiles.enter,
-            on_compile_end=self.compiles.leave,
-            on_graph=self._on_graph,
-            snapshot=self._snapshot,
-            bucket_label=self.slots.bucket,
-            clock=self.clock,
-            announce=self._announce_compile,
-        )
 
     def _first_use(self, *args: Any, **kwargs: Any) -> Any:
         """``gate.compiled`` until first taken: compiles once, whichever thread is first."""
@@ -390,30 +382,21 @@ class Engine:
         """A compile raised (not the user's own error): persist it and say so."""
         self.failures.persist(self.name, error, call.args, call.kwargs)
         started = trace_started()
-        where, details, explained = self.describe_error(error)
         with self.lock:
             self.tally.compile_errors += 1
-        self.say(
+        self.say_error(
             EventKind.COMPILE_FAILED,
-            explained.text,
+            error,
             reason=Reason.COMPILE_ERROR,
             bucket=call.bucket,
             duration_s=time.perf_counter() - started if started is not None else None,
-            error_type=error_type_name(error),
-            details=details,
-            **where,
         )
 
-    def note_warmup_error(self, error: BaseException) -> None:
-        """A background warmup example raised eagerly too: eager keeps serving."""
+    def say_error(self, kind: EventKind, error: BaseException, **fields: Any) -> None:
+        """An event of ``kind`` about ``error``, at the user's line that raised it."""
         where, details, explained = self.describe_error(error)
-        self.say(
-            EventKind.WARMUP_FAILED,
-            explained.text,
-            error_type=error_type_name(error),
-            details=details,
-            **where,
-        )
+        error_type = error_type_name(error)
+        self.say(kind, explained.text, error_type=error_type, details=details, **where, **fields)
 
     def describe_error(
         self, error: BaseException

@@ -89,15 +89,12 @@ class _MetaLogHold(logging.Filter):
 
     def replay(self) -> None:
         held = self.held
-        if not held.records:
-            return
         records = list(held.records)
         held.records.clear()
-        logger = logging.getLogger(self.LOGGER)
         held.replaying = True
         try:
             for record in records:
-                logger.handle(record)
+                logging.getLogger(self.LOGGER).handle(record)
         finally:
             held.replaying = False
 
@@ -251,8 +248,12 @@ def finish(e: Engine, call: Call, out: Any) -> Any:
     """The compiled call returned, and something needs more than counting."""
     slot = call.slot
     first, due, snapshot, new = slot.first, slot.due, slot.snapshot, slot.new
-    if slot.timer >= 0.0:
-        _timed_compiled(e, slot, out, first, new)
+    if slot.timer >= 0.0:  # its time goes to the speed verdict, unless it is no live call's:
+        sync_device(out)  # no compiled graph served it, or it compiled one
+        elapsed = e.speed_clock() - slot.timer
+        slot.timer = -1.0
+        served = first is not None and first.compiled and new is None
+        e.speed_done(Step.TIME_COMPILED, elapsed if served else None)
     slot.end()
     if first is None or not first.compiled:
         # No compiled graph served: dynamo ran the frame eagerly, or the graph is past
@@ -301,18 +302,6 @@ def _check(
         )
     call.count_eager()
     return (verdict.eager_out,)
-
-
-def _timed_compiled(
-    e: Engine, slot: CallSlot, out: Any, first: GraphRecord | None, new: object
-) -> None:
-    """A timed compiled call returned: its time goes to the speed verdict, unless no
-    compiled graph served it or it compiled a graph (then it is not a live call's time)."""
-    sync_device(out)
-    elapsed = e.speed_clock() - slot.timer
-    slot.timer = -1.0
-    served = first is not None and first.compiled and new is None
-    e.speed_done(Step.TIME_COMPILED, elapsed if served else None)
 
 
 def recover(e: Engine, call: Call, failure: Exception) -> Any:
@@ -523,16 +512,14 @@ def _probe(e: Engine, call: Call) -> Any:
     (its values, side effects and gradients are the caller's), timed."""
     sync_device((call.args, call.kwargs))
     started = e.speed_clock()
+    elapsed: float | None = None  # eager raised: the caller gets its error, as eager would
     try:
         out = e.fn(*call.args, **call.kwargs)
         sync_device(out)
-    except BaseException:
+        elapsed = e.speed_clock() - started
+    finally:
         call.slot.eager += 1
-        e.speed_done(Step.TIME_EAGER, None)
-        raise  # eager's own error: the caller gets it, as eager would raise it
-    elapsed = e.speed_clock() - started
-    call.slot.eager += 1
-    e.speed_done(Step.TIME_EAGER, elapsed)
+        e.speed_done(Step.TIME_EAGER, elapsed)
     return out
 
 
@@ -542,10 +529,9 @@ def call_key(
     bucket: str | None,
     module: torch.nn.Module | None,
 ) -> Hashable:
-    """What groups like calls for a pair: the bucket, grad mode, train/eval, the keyword
-    names, and for each argument (top level) a tensor's dtype, device, grad flag, rank and
-    element count rounded up to a power of two (so variable-length traffic still pairs),
-    a bool's value, or another value's type. Cheap: it runs on every call of a round."""
+    """What groups like calls for a pair (cheap: it runs on every call of a round); a
+    tensor's size rounded up to a power of two, so variable-length traffic still pairs."""
+
     parts: list[object] = [bucket, torch.is_grad_enabled(), tuple(kwargs)]
     if module is not None:
         parts.append(module.training)

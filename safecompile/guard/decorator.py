@@ -20,6 +20,7 @@ import torch
 
 from safecompile.base import torchcompat
 from safecompile.base.errors import ConfigError
+from safecompile.base.model import EventKind
 from safecompile.base.options import Options
 from safecompile.base.policies import Buckets, Warmup
 from safecompile.observe.log import torch_missing
@@ -48,13 +49,6 @@ class Guarded(Protocol):
     safecompile: Controller
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
-
-
-def _make_guarded(controller: Controller, wrapped: Callable[..., Any]) -> Guarded:
-    guarded = entrypoint(controller._engine)
-    functools.update_wrapper(guarded, wrapped)
-    guarded.safecompile = controller  # type: ignore[attr-defined]
-    return guarded  # type: ignore[return-value]
 
 
 class _ModuleForward:
@@ -98,14 +92,6 @@ def _plain_forward(module: torch.nn.Module) -> Callable[..., Any]:
 def decorate(fn: Any, opts: Options, fleet: Fleet) -> Any:
     """``safe_compile``'s body, with the fleet plugged in (:mod:`safecompile.compose`):
     the options checked, then ``fn`` guarded, or a decorator when ``fn`` is ``None``."""
-    opts, strategy = _resolve(opts, fleet)
-    if fn is None:
-        return functools.partial(_guard, opts=opts, strategy=strategy, fleet=fleet)
-    return _guard(fn, opts=opts, strategy=strategy, fleet=fleet)
-
-
-def _resolve(opts: Options, fleet: Fleet) -> tuple[Options, Strategy | None]:
-    """The checks that need torch or the process group, then the buckets fitted."""
     validate_compile_options(
         backend=opts.backend,
         mode=opts.mode,
@@ -114,9 +100,12 @@ def _resolve(opts: Options, fleet: Fleet) -> tuple[Options, Strategy | None]:
         fullgraph=opts.fullgraph,
     )
     fleet.check_group(opts.group)
-    if opts.buckets is None:
-        return opts, None
-    return _fit_buckets(opts, opts.buckets)
+    strategy = None
+    if opts.buckets is not None:
+        opts, strategy = _fit_buckets(opts, opts.buckets)
+    if fn is None:
+        return functools.partial(_guard, opts=opts, strategy=strategy, fleet=fleet)
+    return _guard(fn, opts=opts, strategy=strategy, fleet=fleet)
 
 
 def _fit_buckets(opts: Options, buckets: Buckets) -> tuple[Options, Strategy]:
@@ -184,7 +173,8 @@ def _guard(target: Any, *, opts: Options, strategy: Strategy | None, fleet: Flee
         )
     name = opts.name or _name_of(target)
     controller = _controller(name, target, opts, strategy, fleet, module=None)
-    guarded = _make_guarded(controller, target)
+    guarded = functools.update_wrapper(entrypoint(controller._engine), target)
+    guarded.safecompile = controller  # type: ignore[attr-defined]
     _start_warmup(controller, opts.warmup)
     return guarded
 
@@ -233,6 +223,12 @@ def _controller(
         opts.backend, mode=opts.mode, options=opts.options, dynamic=opts.dynamic
     )
     bucketer = Bucketer(opts.buckets, fn, strategy=strategy) if opts.buckets is not None else None
+    rollback = opts.rollback
+    peers: Peers | None = None  # the agreement with the ranks of ``group=``
+    if opts.group is not None:
+        every, timeout = rollback.sync_every, rollback.sync_timeout
+        peers = fleet.peers(opts.group, every=every, timeout=timeout, name=name)
+
     engine = Engine(
         name=name,
         fn=fn,
@@ -241,19 +237,9 @@ def _controller(
         sink=sink,
         module=module,
         bucketer=bucketer,
-        peers=_peers(name, opts, fleet),
+        peers=peers,
     )
     return Controller(engine)
-
-
-def _peers(name: str, opts: Options, fleet: Fleet) -> Peers | None:
-    """The agreement with the ranks of ``group=`` (``None`` without one)."""
-    if opts.group is None:
-        return None
-    rollback = opts.rollback
-    return fleet.peers(
-        opts.group, every=rollback.sync_every, timeout=rollback.sync_timeout, name=name
-    )
 
 
 def _start_warmup(controller: Controller, warmup: Warmup | None) -> None:
@@ -290,7 +276,7 @@ def _start_warmup(controller: Controller, warmup: Warmup | None) -> None:
                 _lower_priority(warmup.nice)
             run()
         except Exception as exc:
-            e.note_warmup_error(exc)
+            e.say_error(EventKind.WARMUP_FAILED, exc)  # eager keeps serving
         finally:
             e.background_warmup(pending=False)
 

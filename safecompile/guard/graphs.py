@@ -261,10 +261,8 @@ class GuardBackend:
         self.__name__ = f"safecompile[{label}]"
 
     def restart(self) -> list[types.CodeType]:
-        """Forget every graph made (``reset()``); returns the code objects they were made
-        for, whose cache entries the caller drops (``torch._dynamo.reset_code``). The
-        same backend and compiled function serve on, so nothing torch keeps per
-        ``torch.compile`` piles up."""
+        """Forget every graph made (``reset()``): the code objects whose cache entries the
+        caller drops. One backend serves on, so nothing torch keeps per backend piles up."""
         self._made.clear()
         codes = list(self._codes)
         self._codes.clear()
@@ -365,10 +363,8 @@ def _instrument(
     if record.compiled:
         return run
 
-    def limited(*args: Any) -> Any:
-        """Past the recompile limit: the call must take the slow path, which counts it
-        as eager (a due list, even empty, tells the hot path so)."""
-        out = run(*args)
+    def limited(*args: Any) -> Any:  # past the recompile limit: a due list, even empty,
+        out = run(*args)  # sends the call to the slow path, which counts it as eager
         slot: CallSlot | None = getattr(local, "slot", None)
         if slot is not None and slot.due is None:
             slot.due = []
@@ -453,10 +449,8 @@ def unchecked_reason(random: str | None) -> tuple[tuple[Effect, ...], str | None
     check must skip its graph (``random``: the graph's :func:`random_op`); ``None``: it need not."""
     effects, lost = outside_effects()
     if random is not None:
-        return (
-            effects,
-            f"the graph draws random numbers ({random}): compiled and eager streams differ",
-        )
+        why = f"the graph draws random numbers ({random}): compiled and eager streams differ"
+        return effects, why
     if lost is not None:
         return effects, (
             f"the call updates a Python object that cannot be found again to copy "
@@ -505,16 +499,16 @@ def find_effects(
     back from the running frame (dynamo's transformed code keeps the frame's locals and
     globals). Also the name of the first one that could not be found (``None``: all)."""
     key = record.frame
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     for _ in range(_FRAME_DEPTH):
         if frame is None or key is None:
             break
         code = frame.f_code
         if (code.co_name, code.co_filename, code.co_firstlineno) == key:
             break
-        frame = frame.f_back  # type: ignore[assignment]
+        frame = frame.f_back
     else:
-        frame = None  # type: ignore[assignment]
+        frame = None
     if frame is None or key is None:
         return [], f"the frame of {record.code} (not found on the stack)"
     scope: dict[str, Any] = {"L": frame.f_locals, "G": frame.f_globals}
@@ -599,8 +593,7 @@ DIM_LETTERS = "NMKLPQRT"
 
 
 class _DimNames:
-    """torch's symbols (``s77``, ``u0``) as the letters a person reads (``N``, ``M``, ...),
-    the same symbol always the same letter, so equal dims read equal."""
+    """torch's symbols (``s77``, ``u0``) as letters (``N``, ``M``...): equal dims read equal."""
 
     def __init__(self) -> None:
         self.names: dict[str, str] = {}
@@ -658,25 +651,18 @@ _POSITIONAL = {
     "scaled_dot_product_attention": ("query", "key", "value", "attn_mask", "dropout_p"),
     "rrelu": ("input", "lower", "upper", "training"),
 }
-_SEEDED: dict[str, bool] = {}
 
 
+@functools.cache
 def _seeded(name: str) -> bool:
     """Whether ATen's op of this name draws random numbers (its own tag says so)."""
-    found = _SEEDED.get(name)
-    if found is None:
-        packet = getattr(torch.ops.aten, name, None)
-        found = False
-        if packet is not None:
-            try:
-                found = any(
-                    torch.Tag.nondeterministic_seeded in getattr(packet, o).tags
-                    for o in packet.overloads()
-                )
-            except Exception:
-                found = False
-        _SEEDED[name] = found
-    return found
+    packet = getattr(torch.ops.aten, name, None)
+    try:
+        return packet is not None and any(
+            torch.Tag.nondeterministic_seeded in getattr(packet, o).tags for o in packet.overloads()
+        )
+    except Exception:
+        return False
 
 
 def _target_name(target: object) -> str:
@@ -690,10 +676,8 @@ def _target_name(target: object) -> str:
 def _dropout_draws(
     name: str, target: object, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> bool:
-    """Whether a dropout-like call draws: ``p > 0`` and training (positional or keyword).
+    """Whether a dropout-like call draws: ``p > 0`` and training; ``rrelu``: training."""
 
-    ``rrelu`` draws only while training; attention draws only with ``dropout_p > 0``.
-    """
     try:
         bound = inspect.signature(target).bind(*args, **kwargs)  # type: ignore[arg-type]
         bound.apply_defaults()
