@@ -685,7 +685,8 @@ def test_measured_timings_record_the_middle_half() -> None:
 def test_timing_says_how_far_it_got_every_few_seconds(monkeypatch: pytest.MonkeyPatch) -> None:
     """Timing a slow call is not silent: a progress line at least every PROGRESS_EVERY_S
     seconds (made 0 here, so every sample after the first says so)."""
-    from safecompile.doctor import diagnose, measure
+    from safecompile.doctor import _measure as measure
+    from safecompile.doctor import diagnose
     from safecompile.doctor.report import Settings
 
     assert measure.PROGRESS_EVERY_S <= 5.0

@@ -1,16 +1,17 @@
 """The doctor: is a callable ready for ``safe_compile`` in production?
 
-``python -m safecompile doctor MODULE:FACTORY``. By concern: :mod:`.target` loads the
-target, :mod:`.measure` runs it next to eager, :mod:`.judge` turns the measurements into
+``python -m safecompile doctor MODULE:FACTORY``. By concern: :mod:`._target` loads the
+target, :mod:`._measure` runs it next to eager, :mod:`._judge` turns the measurements into
 checks, :mod:`.text` and :mod:`.html` render them (:meth:`Report.to_dict` is the JSON);
 :mod:`.report` holds the records and the words they share.
 """
 
 from __future__ import annotations
 
+from ._judge import is_debug_backend, judge
+from ._measure import diagnose
+from ._target import load_target, parse_inputs, to_target
 from .html import render_html
-from .judge import is_debug_backend, judge
-from .measure import diagnose
 from .report import (
     SCHEMA,
     Call,
@@ -24,7 +25,6 @@ from .report import (
     Timing,
     UsageError,
 )
-from .target import load_target, parse_inputs, to_target
 from .text import render_text
 
 __all__ = [

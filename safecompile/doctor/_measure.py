@@ -2,7 +2,7 @@
 
 :func:`diagnose` compiles each example cold, sweeps shapes against the recompile limit,
 times compiled against eager in interleaved pairs and compares outputs; the verdict is
-:func:`~safecompile.doctor.judge.judge`'s.
+:func:`~safecompile.doctor._judge.judge`'s.
 """
 
 from __future__ import annotations
@@ -36,7 +36,9 @@ from safecompile.guard.graphs import Recorder
 from safecompile.observe.progress import spinner
 from safecompile.observe.source import dedupe_graph_breaks, location_of_function
 
-from .judge import judge
+from ._judge import judge
+from ._sweep import sweep_calls, tensors
+from ._target import error_at, parse_inputs, parse_sweep, user_traceback
 from .report import (
     DEFAULT_LIMIT,
     Call,
@@ -49,8 +51,6 @@ from .report import (
     Timing,
     UsageError,
 )
-from .sweep import sweep_calls, tensors
-from .target import error_at, parse_inputs, parse_sweep, user_traceback
 
 __all__ = ["diagnose", "versions"]
 
