@@ -153,7 +153,6 @@ class GraphTable:
         self._shadow = shadow
         self._lock = threading.Lock()
         self._records: list[GraphRecord] = []
-        self._per_code: dict[str, int] = {}
         self._ids = itertools.count(1)
 
     def add(self, facts: GraphFacts, *, compiled: bool, bucket: str | None) -> GraphRecord:
@@ -173,8 +172,6 @@ class GraphTable:
         record.set_countdown(self.countdown(record))
         with self._lock:
             self._records.append(record)
-            if compiled:
-                self._per_code[facts.code] = self._per_code.get(facts.code, 0) + 1
         return record
 
     def checks(self) -> dict[str, int]:
@@ -188,8 +185,7 @@ class GraphTable:
 
     def compiled_for(self, code: str) -> int:
         """How many graphs were compiled for one code object (the recompile limit's unit)."""
-        with self._lock:
-            return self._per_code.get(code, 0)
+        return sum(1 for record in self if record.compiled and record.code == code)
 
     def countdown(self, record: GraphRecord) -> int:
         """The record's next countdown, as the shadow policy decides."""
@@ -208,7 +204,6 @@ class GraphTable:
         """Forget every graph (``reset()``): ids start again from 1."""
         with self._lock:
             self._records.clear()
-            self._per_code.clear()
             self._ids = itertools.count(1)
 
     def never_check(self, record: GraphRecord, why: str) -> None:
@@ -398,12 +393,9 @@ def trace_started() -> float | None:
 def time_tracing() -> None:
     """Have dynamo's compile callbacks time tracing too, not only the backend (again
     after ``torch._dynamo.reset()``, which clears them)."""
-    try:
-        handler = torchcompat.compile_callbacks()
-        if _on_trace_start not in handler.start_callbacks:
-            handler.register_start_callback(_on_trace_start)
-    except Exception:  # pragma: no cover - a torch without compile callbacks
-        pass
+    handler = torchcompat.compile_callbacks()
+    if handler is not None and _on_trace_start not in handler.start_callbacks:
+        handler.register_start_callback(_on_trace_start)
 
 
 def _eager_backward() -> contextlib.AbstractContextManager[Any]:
@@ -563,7 +555,6 @@ def _twin_key(code: str, gm: torch.fx.GraphModule, example_inputs: list[Any]) ->
 
 
 _IN_PLACE_FUNCTIONS = frozenset({"setitem", "iadd", "isub", "imul", "itruediv", "ifloordiv"})
-_IN_PLACE_KWARG = "inplace"
 
 
 def mutates_in_place(gm: torch.fx.GraphModule) -> bool:
@@ -576,7 +567,7 @@ def mutates_in_place(gm: torch.fx.GraphModule) -> bool:
         if node.op not in ("call_function", "call_method"):
             continue
         name = _target_name(node.target)
-        if name in _IN_PLACE_FUNCTIONS or node.kwargs.get(_IN_PLACE_KWARG) is True:
+        if name in _IN_PLACE_FUNCTIONS or node.kwargs.get("inplace") is True:
             return True
         if name.endswith("_") and not name.endswith("__"):
             return True
@@ -592,28 +583,19 @@ _SYMBOL = re.compile(r"\b[su]\d+\b")
 DIM_LETTERS = "NMKLPQRT"
 
 
-class _DimNames:
-    """torch's symbols (``s77``, ``u0``) as letters (``N``, ``M``...): equal dims read equal."""
-
-    def __init__(self) -> None:
-        self.names: dict[str, str] = {}
-
-    def __call__(self, dim: object) -> str:
-        return _SYMBOL.sub(self._letter, str(dim)).replace(" ", "")
-
-    def _letter(self, match: re.Match[str]) -> str:
-        symbol = match.group(0)
-        if symbol not in self.names:
-            n = len(self.names)
-            self.names[symbol] = DIM_LETTERS[n] if n < len(DIM_LETTERS) else f"N{n}"
-        return self.names[symbol]
-
-
 def describe_inputs(gm: torch.fx.GraphModule) -> str:
     """The graph's user inputs as text (parameters, buffers and the sizes dynamo lifts
     out of tensors left out): ``Nx32:float32, int``, a dim that varies as a letter."""
     parts = []
-    dims = _DimNames()
+    letters: dict[str, str] = {}  # torch's symbol (``s77``) -> its letter: equal dims read equal
+
+    def letter(match: re.Match[str]) -> str:
+        n = len(letters)
+        return letters.setdefault(match[0], DIM_LETTERS[n] if n < len(DIM_LETTERS) else f"N{n}")
+
+    def dims(dim: object) -> str:
+        return _SYMBOL.sub(letter, str(dim)).replace(" ", "")
+
     for node in gm.graph.nodes:
         if node.op != "placeholder":
             continue
