@@ -4,7 +4,8 @@ The call paths (:mod:`._paths`) take an :class:`Engine`, never the controller: t
 table (:mod:`.graphs`), the trips (:mod:`._trips`), compiles in flight
 (:mod:`._compiles`), shadow checks (:mod:`.shadow`), the per-thread slots
 (:mod:`._slots`), the buckets, the speed verdict, the options, the clock and the events
-sink. :class:`~.controller.Controller` is the public face over it.
+sink. :class:`~._controller.Controller` is the public face over it.
+
 """
 
 from __future__ import annotations
@@ -133,7 +134,8 @@ class Engine:
         # the verdict's clock: CPU time where it covers the call (an injected clock: tests)
         self.speed_clock = call_clock if opts.clock is time.perf_counter else opts.clock
         self.sink = sink
-        self.location = location_of_function(module if module is not None else fn)
+        target = module if module is not None else fn
+        self.location = location_of_function(target)
         # CUDA graphs: outputs live in a pool the next replay overwrites (paths.discarded)
         self.cudagraphs = uses_cudagraphs(opts.backend_label, opts.mode, opts.options)
         self.lock = threading.RLock()
@@ -149,7 +151,6 @@ class Engine:
         self.trips = Trips(opts.rollback, self.clock, hooks, peers)
         self.compiles = CompileTracker(self.update_gate)
         self.buckets = BucketTable(bucketer) if bucketer is not None else None
-        target = module if module is not None else fn
         self.failures = KnownFailures(target, opts.verdict_key(checks=False))
         self.persisted = Persisted(target, opts.verdict_key(checks=True))
         top = own_frame(fn)  # as _compile compiles it
@@ -173,8 +174,7 @@ class Engine:
             table=self.table,
             local=self.slots.local,
             limit=opts.rollback.recompile_limit,
-            on_compile_start=self.compiles.enter,
-            on_compile_end=self.compiles.leave,
+            compiling=self.compiles.claim,
             on_graph=self._on_graph,
             snapshot=self._snapshot,
             bucket_label=self.slots.bucket,

@@ -176,12 +176,8 @@ class GraphTable:
 
     def checks(self) -> dict[str, int]:
         """How many graphs stand where (see :meth:`GraphRecord.check`)."""
-        counts = {"checked": 0, "unchecked": 0, "not_yet": 0}
-        for record in self:
-            status = record.check()
-            if status in counts:
-                counts[status] += 1
-        return counts
+        statuses = [record.check() for record in self]
+        return {status: statuses.count(status) for status in ("checked", "unchecked", "not_yet")}
 
     def compiled_for(self, code: str) -> int:
         """How many graphs were compiled for one code object (the recompile limit's unit)."""
@@ -234,8 +230,7 @@ class GraphHooks:
     table: GraphTable
     local: Any  # the callable's thread-locals, where each thread's slot lives
     limit: int  # graphs compiled per code object at most (the recompile limit)
-    on_compile_start: Callable[[], object]
-    on_compile_end: Callable[[], None]
+    compiling: Callable[[], contextlib.AbstractContextManager[bool]]  # this thread compiles
     on_graph: Callable[[GraphRecord, torch.fx.GraphModule], None]
     snapshot: Callable[[tuple[Any, ...], GraphRecord], Any]
     bucket_label: Callable[[], str | None]
@@ -266,10 +261,8 @@ class GuardBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         hooks = self._hooks
         started = trace_started() or time.perf_counter()
-        hooks.on_compile_start()
-        ended: Callable[[], None] | None = None
-        try:
-            ended = hooks.announce(describe_inputs(gm), started)  # a slow compile says so
+        with hooks.compiling(), contextlib.ExitStack() as announced:
+            announced.callback(hooks.announce(describe_inputs(gm), started))  # slow: say so
             frame = torchcompat.frame_code()  # the function, or a resume function
             if frame is not None:
                 self._codes.add(frame)
@@ -295,10 +288,6 @@ class GuardBackend:
                 record.frame = (frame.co_name, frame.co_filename, frame.co_firstlineno)
             self._made[twin] = (record, inner)
             hooks.on_graph(record, gm)
-        finally:
-            if ended is not None:
-                ended()
-            hooks.on_compile_end()
         return _instrument(record, inner, hooks)
 
     def adopt(self, inner: Callable[..., Any], facts: GraphFacts) -> Callable[..., Any]:
