@@ -309,18 +309,16 @@ def recover(e: Engine, call: Call, failure: Exception) -> Any:
     call.slot.end()
     if call.entry is not None and _bucket_fault(e, failure, call.entry):
         return eager(e, call)
-    user_error: Exception | None = None
-    out: Any = None
     try:
         out = e.fn(*call.args, **call.kwargs)
-    except Exception as exc:
-        user_error = exc
-    call.count_eager()
-    if user_error is not None:
+    except Exception:
         del failure  # eager raises too: the user's own error, not the compiler's
         _META_LOG.drop()  # torch's log of it while tracing is noise: eager's error says it
-        raise user_error
+        raise
+    finally:
+        call.count_eager()
     _META_LOG.replay()
+
     if not isinstance(failure, _COMPILE_ERRORS):
         e.trip(Reason.RUNTIME_ERROR, error=failure, bucket=call.bucket)
     # a fault of what torch read from its remote caches: the next call compiles without it
