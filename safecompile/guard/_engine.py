@@ -5,7 +5,6 @@ table (:mod:`.graphs`), the trips (:mod:`._trips`), compiles in flight
 (:mod:`._compiles`), shadow checks (:mod:`.shadow`), the per-thread slots
 (:mod:`._slots`), the buckets, the speed verdict, the options, the clock and the events
 sink. :class:`~._controller.Controller` is the public face over it.
-
 """
 
 from __future__ import annotations

@@ -318,7 +318,6 @@ def recover(e: Engine, call: Call, failure: Exception) -> Any:
     finally:
         call.count_eager()
     _META_LOG.replay()
-
     if not isinstance(failure, _COMPILE_ERRORS):
         e.trip(Reason.RUNTIME_ERROR, error=failure, bucket=call.bucket)
     # a fault of what torch read from its remote caches: the next call compiles without it
@@ -529,7 +528,6 @@ def call_key(
 ) -> Hashable:
     """What groups like calls for a pair (cheap: it runs on every call of a round); a
     tensor's size rounded up to a power of two, so variable-length traffic still pairs."""
-
     parts: list[object] = [bucket, torch.is_grad_enabled(), tuple(kwargs)]
     if module is not None:
         parts.append(module.training)

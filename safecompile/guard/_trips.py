@@ -1,13 +1,11 @@
 """Trips: the breaker, this rank's side of the agreement, and the one way back.
 
-- :meth:`Trips.trip` opens the breaker (every call runs eager) or, with a process group,
-  holds the verdict for the next safe point (a drift or a compile error applies at once:
-  a drifting path is never served knowingly, a failed compile has nothing to run);
-- after ``retry_after``, one call is the half-open trial; failing, it opens the breaker
-  again with a longer wait (:meth:`Rollback.next_wait`);
-- :meth:`Trips._retrying` / :meth:`Trips._recovered`: the one recovery routine trials and
-  agreed recoveries (:meth:`Trips.safe_point`) share. A trial restarts the speed verdict,
-  so it times the path it tries; once compiled serves again, the canary restarts too.
+A trip opens the breaker (every call runs eager) or, with a process group, is held for the
+next safe point; a drift or a compile error applies at once (a drifting path is never
+served knowingly, a failed compile has nothing to run). After ``retry_after`` one call is
+the half-open trial (failing: a longer wait). Trials and agreed recoveries share one way
+back: a trial restarts the speed verdict, so it times the path it tries; once compiled
+serves again, the canary restarts too.
 """
 
 from __future__ import annotations

@@ -139,11 +139,7 @@ def compile_function(
         extra.update(limits)
     if options:
         extra["options"] = options
-    compile_: Any = torch.compile
-    compiled: Callable[..., Any] = compile_(
-        fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph, **extra
-    )
-    return compiled
+    return torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph, **extra)
 
 
 def own_frame(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -228,7 +228,6 @@ def _controller(
     if opts.group is not None:
         every, timeout = rollback.sync_every, rollback.sync_timeout
         peers = fleet.peers(opts.group, every=every, timeout=timeout, name=name)
-
     engine = Engine(
         name=name,
         fn=fn,
