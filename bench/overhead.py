@@ -9,6 +9,7 @@ measures the median per-call time of:
   exactly how the guard installs itself on a module),
 - the guarded function (``safe_compile``, shadow checks off),
 - the guarded function with the kill switch on (``SAFECOMPILE_DISABLE=1``: eager path),
+- the guarded function rolled back (``rollback()``, no trial due: eager path),
 
 interleaving the variants round by round, in a rotating order, so machine noise hits
 them alike. Time is the calling thread's CPU time (``time.thread_time``, ``--clock
@@ -18,9 +19,9 @@ noise). ``--clock wall`` times with ``time.perf_counter`` instead. Every compile
 variant is a copy with a code object of its own (dynamo keeps its cache entries per code
 object). Prints the medians and the differences the issue's
 targets are about: guard - bare compiled (target ≤ 1 µs) and kill-switched - eager
-(target ≤ 1 µs). The differences are paired per round (both variants timed in the same
-round); the table gives their median over rounds and, in brackets, their interquartile
-range.
+(target ≤ 1 µs), and rolled back - eager. The differences are paired per round (both
+variants timed in the same round); the table gives their median over rounds and, in
+brackets, their interquartile range.
 
     python bench/overhead.py                              # inductor (cold compiles ~10 s each)
     python bench/overhead.py --backend eager --rounds 3   # quick smoke run (~10 s)
@@ -52,6 +53,7 @@ EAGER = "eager"
 BARE = "bare compiled"
 GUARDED = "guarded"
 KILLED = "guarded, kill switch on"
+ROLLED = "guarded, rolled back"
 ISOLATED = "bare, with the guard's compile options"
 WRAPPED = "the guard's compiled function, no guard frame"
 
@@ -155,16 +157,22 @@ def run_case(
     killed = safe_compile(
         own_code(fn, "killed"), backend=backend, shadow=None, name=f"bench.{label}.killed"
     )
+    rolled = safe_compile(
+        own_code(fn, "rolled"), backend=backend, shadow=None, name=f"bench.{label}.rolled"
+    )
     with torch.no_grad():
         for _ in range(3):  # compile and warm every variant
             bare(x)
             guarded(x)
+            rolled(x)
         assert guarded.safecompile.state == "compiled", guarded.safecompile.report()
+        rolled.safecompile.rollback()  # no retry_after: eager serves it from now on
         variants = {
             EAGER: lambda: fn(x),
             BARE: lambda: bare(x),
             GUARDED: lambda: guarded(x),
             KILLED: lambda: killed(x),
+            ROLLED: lambda: rolled(x),
         }
         if split:
             variants.update(split_variants(fn, guarded, x, backend))
@@ -210,7 +218,8 @@ def main() -> None:
     }
     print(
         "\n| case | eager | bare compiled | guarded | kill switch on | guard - bare "
-        "(IQR) | kill switch - eager (IQR) |\n|---|---|---|---|---|---|---|"
+        "(IQR) | kill switch - eager (IQR) | rolled back - eager (IQR) |"
+        "\n|---|---|---|---|---|---|---|---|"
     )
     splits: dict[str, list[float]] = {}
     for label, (fn, x) in cases.items():
@@ -230,10 +239,12 @@ def main() -> None:
         us = {k: statistics.median(v) * 1e6 for k, v in s.items()}
         guard = paired(s[GUARDED], s[BARE])
         kill = paired(s[KILLED], s[EAGER])
+        rolled = paired(s[ROLLED], s[EAGER])
         print(
             f"| {label} | {us[EAGER]:.2f} µs | {us[BARE]:.2f} µs | {us[GUARDED]:.2f} µs | "
             f"{us[KILLED]:.2f} µs | {guard[0]:+.2f} µs ({guard[1]:+.2f} … {guard[2]:+.2f}) | "
-            f"{kill[0]:+.2f} µs ({kill[1]:+.2f} … {kill[2]:+.2f}) |",
+            f"{kill[0]:+.2f} µs ({kill[1]:+.2f} … {kill[2]:+.2f}) | "
+            f"{rolled[0]:+.2f} µs ({rolled[1]:+.2f} … {rolled[2]:+.2f}) |",
             flush=True,
         )
     if splits:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
 from safecompile import Buckets, EventKind, Reason, Rollback, State, safe_compile
+from safecompile.guard import _paths
 from safecompile.testing import (
     FailingBackend,
     FakeClock,
@@ -241,3 +244,90 @@ def test_a_trial_served_eagerly_is_announced_once(clock: FakeClock) -> None:
     kinds = [e.kind for e in g.safecompile.events()]
     assert kinds.count(EventKind.RETRY) == 1
     assert kinds[-1] == EventKind.RECOVERED
+
+
+class SlowPathCalls:
+    """Counts the calls that enter the slow path (``_paths.call_slow``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.count = 0
+        self._inner = _paths.call_slow
+        monkeypatch.setattr(_paths, "call_slow", self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.count += 1
+        return self._inner(*args, **kwargs)
+
+
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_rolled_back_serves_eager_from_the_hot_path_until_the_trial(
+    x: torch.Tensor, clock: FakeClock, monkeypatch: pytest.MonkeyPatch, bucketed: bool
+) -> None:
+    """Rolled back with no trial due, a call never enters the slow path (eager serves it
+    in the hot path, counted); the trial still runs when due, and compiled serves again."""
+    buckets = Buckets(dims={"x": 0}, sizes=(4, 8)) if bucketed else None
+    g = safe_compile(
+        affine,
+        backend="eager",
+        shadow=None,
+        buckets=buckets,
+        rollback=Rollback(retry_after=10, slower_ratio=None),
+        clock=clock,
+    )
+    g(x)
+    c = g.safecompile
+    c.rollback()
+    slow = SlowPathCalls(monkeypatch)
+    for _ in range(3):
+        torch.testing.assert_close(g(x), affine(x))
+    clock.advance(9.5)
+    torch.testing.assert_close(g(x), affine(x))
+    assert slow.count == 0
+    assert (c.stats().eager_calls, c.state) == (4, State.ROLLED_BACK)
+    clock.advance(1)
+    torch.testing.assert_close(g(x), affine(x))  # the trial: compiled serves again
+    assert slow.count == 1
+    assert c.state == State.COMPILED
+    assert [e.kind for e in c.events()][-2:] == [EventKind.RETRY, EventKind.RECOVERED]
+    g(x)
+    assert slow.count == 1  # compiled, from the hot path
+    assert (c.stats().compiled_calls, c.stats().eager_calls) == (3, 4)
+
+
+def test_a_failed_trial_moves_the_hot_paths_deadline(
+    x: torch.Tensor, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed trial trips with a longer wait: the hot path serves eager until then."""
+    backend = RuntimeFailingBackend(on_run=1)
+    g = safe_compile(
+        affine, backend=backend, shadow=None, rollback=Rollback(retry_after=10), clock=clock
+    )
+    g(x)  # fails: rolled back, the trial at 10
+    slow = SlowPathCalls(monkeypatch)
+    clock.advance(10)
+    g(x)  # the trial fails: the next at 30
+    assert slow.count == 1
+    clock.advance(19)
+    g(x)
+    assert slow.count == 1
+    clock.advance(1)
+    g(x)
+    assert slow.count == 2
+    assert backend.runs == 3
+
+
+def test_reset_reopens_the_path_a_rollback_closed(
+    x: torch.Tensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rolled back for good (no retry_after), every call stays in the hot path; reset()
+    sends the next call down the slow path, which compiles afresh."""
+    g = safe_compile(affine, backend="eager", shadow=None)
+    g(x)
+    g.safecompile.rollback()
+    slow = SlowPathCalls(monkeypatch)
+    g(x)
+    assert slow.count == 0
+    g.safecompile.reset()
+    g(x)
+    assert slow.count == 1
+    assert g.safecompile.state == State.COMPILED

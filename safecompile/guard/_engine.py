@@ -10,6 +10,7 @@ sink. :class:`~._controller.Controller` is the public face over it.
 from __future__ import annotations
 
 import collections
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -69,13 +70,14 @@ _TICK = 1024  # at most this many calls of a thread between reports to the speed
 class Gate:
     """The one prepared value the hot path reads (see :mod:`._paths`)."""
 
-    __slots__ = ("compiled", "disabled", "fast", "generation", "token")
+    __slots__ = ("compiled", "disabled", "eager_until", "fast", "generation", "token")
 
     def __init__(self, compiled: Callable[..., Any]) -> None:
         self.token: object = object()  # the kill switch's environment value last read
         self.generation = -1  # and its code switch's generation
         self.disabled = False
         self.fast = False  # compiled may serve without the slow path
+        self.eager_until = -math.inf  # tripped: eager serves, decision-free, until this clock
         self.compiled = compiled
 
 
@@ -245,6 +247,7 @@ class Engine:
                 and len(self.table) > 0
                 and not (self.speed is not None and self.speed.wants)
             )
+            self.gate.eager_until = self.trips.eager_until()
 
     @property
     def warming_up(self) -> bool:

@@ -11,8 +11,11 @@ return. Everything else is a slow path, handed the :class:`~.engine.Engine` and 
   ran at all;
 - :func:`recover`: the compiled path raised; eager answers, on the caller's own
   tensors (so gradients reach them), or eager's own error is raised;
-- :func:`call_slow`: the gate is closed (kill switch, trip and trial, rollout, a compile
-  or warmup in flight, nothing compiled yet), or a bucket still needs verifying.
+- :func:`call_slow`: the gate is closed (a trial due, rollout, a compile or warmup in
+  flight, nothing compiled yet), or a bucket still needs verifying.
+
+With the kill switch on, or rolled back with no trial due yet (one clock read against
+``gate.eager_until``), the hot path itself serves eager, as the slow path would.
 """
 
 from __future__ import annotations
@@ -130,6 +133,7 @@ def _entrypoint(e: Engine) -> Callable[..., Any]:
     switch = ks.SWITCH
     refresh = e.refresh_switch
     tick = e.speed_tick
+    clock = e.clock
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
         try:  # an error escaping is eager's: raised from the user's line, not ours
@@ -156,7 +160,7 @@ def _entrypoint(e: Engine) -> Callable[..., Any]:
                     return finish(e, Call(args, kwargs, slot), out)
                 # outside except: eager's error unchained
                 return recover(e, Call(args, kwargs, slot), failure)
-            if gate.disabled:  # the kill switch: eager, in this frame
+            if gate.disabled or clock() < gate.eager_until:  # kill switch, rolled back: eager
                 try:
                     return fn(*args, **kwargs)
                 finally:
@@ -179,6 +183,7 @@ def _bucketed_entrypoint(e: Engine) -> Callable[..., Any]:  # noqa: PLR0915 - on
     switch = ks.SWITCH
     refresh = e.refresh_switch
     tick = e.speed_tick
+    clock = e.clock
     bucketer, entries, pads = e.buckets.bucketer, e.buckets.entries, e.buckets.pads
     plan_of, pad, unpad = bucketer.plan, bucketer.pad, bucketer.unpad
     ready = BucketStatus.READY
@@ -221,7 +226,7 @@ def _bucketed_entrypoint(e: Engine) -> Callable[..., Any]:  # noqa: PLR0915 - on
                                 return out
                             return finish(e, Call(args, kwargs, slot, plan=plan, entry=entry), out)
                         return recover(e, Call(args, kwargs, slot, plan=plan, entry=entry), failure)
-            elif gate.disabled:  # the kill switch: eager, in this frame
+            elif gate.disabled or clock() < gate.eager_until:  # kill switch, rolled back: eager
                 try:
                     return fn(*args, **kwargs)
                 finally:

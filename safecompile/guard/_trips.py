@@ -11,6 +11,7 @@ serves again, the canary restarts too.
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -111,6 +112,17 @@ class Trips:
             self.ranks.take_held()
 
     # ------------------------------------------------------------------ the way back
+
+    def eager_until(self) -> float:
+        """Until when (on the clock) every call runs eager with nothing to decide, so the
+        hot path serves it: while tripped, until the next trial may start (forever with
+        no trial, or with a process group, whose trials come at safe points)."""
+        with self._lock:
+            if not self.tripped:
+                return -math.inf
+            if self.retry_at is None or self.ranks is not None:
+                return math.inf
+            return self.retry_at
 
     def claim_trial(self) -> bool:
         """Whether this call is the half-open trial (tripped, the wait over, no other

@@ -142,8 +142,13 @@ class GraphRecord:
 
 CallSlot = Slot[GraphRecord]
 """A thread's call slot, holding this module's graph records."""
-Call = CallState[GraphRecord]
-"""One call down the slow path (:mod:`safecompile.guard._paths`)."""
+
+
+class Call(CallState[GraphRecord]):
+    """One call down the slow path (:mod:`safecompile.guard._paths`). A subclass, not an
+    alias: calling ``CallState[GraphRecord]`` costs a frame and a failed attribute write."""
+
+    __slots__ = ()
 
 
 class GraphTable:
