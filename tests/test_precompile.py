@@ -1,4 +1,4 @@
-"""A warm restart loads precompiled functions instead of tracing (safecompile.guard.precompile).
+"""A warm restart loads precompiled functions instead of tracing (safecompile.guard._precompile).
 
 In one process a second ``safe_compile`` of the same function is a restart as far as the
 cache dir goes: it loads what the first one's warmup saved. "Not traced" is read from

@@ -43,6 +43,7 @@ from safecompile.shapes.buckets import Bucketer, uses_cudagraphs
 from safecompile.shapes.table import BucketTable
 
 from ._compiles import CompileTracker, KnownFailures
+from ._precompile import Precompiled
 from ._slots import Slots
 from ._trips import TripHooks, Trips
 from .backend import compile_function, own_frame
@@ -58,7 +59,6 @@ from .graphs import (
     trace_started,
 )
 from .peers import Peers
-from .precompile import Precompiled
 from .shadow import ShadowRunner, Sink
 
 __all__ = ["Engine", "Gate"]
