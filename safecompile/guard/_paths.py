@@ -162,7 +162,7 @@ def _entrypoint(e: Engine) -> Callable[..., Any]:
                 return recover(e, Call(args, kwargs, slot), failure)
             if gate.disabled or clock() < gate.eager_until:  # kill switch, rolled back: eager
                 try:
-                    return fn(*args, **kwargs)
+                    return fn(*args, **kwargs) if kwargs else fn(*args)
                 finally:
                     new_slot().eager += 1
             return call_slow(e, args, kwargs)
@@ -228,7 +228,7 @@ def _bucketed_entrypoint(e: Engine) -> Callable[..., Any]:  # noqa: PLR0915 - on
                         return recover(e, Call(args, kwargs, slot, plan=plan, entry=entry), failure)
             elif gate.disabled or clock() < gate.eager_until:  # kill switch, rolled back: eager
                 try:
-                    return fn(*args, **kwargs)
+                    return fn(*args, **kwargs) if kwargs else fn(*args)
                 finally:
                     new_slot().eager += 1
             return call_slow(e, args, kwargs)
