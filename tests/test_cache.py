@@ -603,3 +603,31 @@ def test_a_call_key_is_made_once_for_the_first_calls_device() -> None:
     assert first == artifact_key(double, backend="eager", device=torch.device("cpu"))
     assert key.get(("not a tensor",), {"y": 3}) == first == key.value
     assert CallKey(double, {"backend": "aot_eager"}).get(()) != first
+
+
+def test_a_key_that_cannot_be_made_is_said_once_and_never_fails_a_call(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A key that fails (an odd option, an odd device) leaves the call eager's and the cache
+    unused; one ``cache_file_ignored`` warning however many buckets and calls ask for it."""
+    from safecompile import Buckets, pow2, safe_compile
+    from safecompile.persist import signing
+
+    def boom(*args: Any, **kwargs: Any) -> str:
+        raise RuntimeError("no key for this device")
+
+    def double(x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    signing.reset()
+    monkeypatch.setattr(_cache, "artifact_key", boom)
+    monkeypatch.setenv(_cache.CACHE_ENV_VAR, str(tmp_path))
+    buckets = Buckets(dims={"x": 0}, sizes=pow2(4, 16), strategy="pad")
+    guarded = safe_compile(double, backend="eager", buckets=buckets, shadow=None)
+    with structlog.testing.capture_logs() as logs:
+        for size in (3, 7, 13, 3):
+            x = torch.randn(size)
+            assert torch.equal(guarded(x), x * 2)
+    (ignored,) = ignored_events(logs)
+    assert (ignored["path"], ignored["reason"]) == ("key", "RuntimeError: no key for this device")
+    assert not list((tmp_path / "verdicts").rglob("*.json"))

@@ -15,6 +15,8 @@ import threading
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from safecompile.base.forks import in_forked_child
+
 __all__ = [
     "ENV_VAR",
     "Rule",
@@ -148,6 +150,11 @@ class _CodeSwitch:
 
 
 SWITCH = _CodeSwitch()
+
+
+@in_forked_child
+def _fresh_lock() -> None:
+    SWITCH.lock = threading.Lock()  # another thread may have held it at the fork
 
 
 def disable(names: str | Iterable[str] = "*") -> None:

@@ -246,12 +246,7 @@ class Watcher:
 
 
 WATCHER = Watcher()
-
-
-@in_forked_child
-def _fresh_watcher() -> None:
-    ks.SWITCH.lock = threading.Lock()  # set_watched() may have held it at the fork
-    WATCHER.after_fork_in_child()
+in_forked_child(WATCHER.after_fork_in_child)
 
 
 def watch() -> None:

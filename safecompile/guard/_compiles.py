@@ -97,7 +97,7 @@ class KnownFailures:
         if self._store is None or self._checked:
             return None
         self._checked = True
-        key = self._key_for(args, kwargs)
+        key = self._key.get(args, kwargs)
         verdict = self._store.get(key) if key is not None else None
         if verdict is None or verdict.kind != "compile_failed":
             return None
@@ -113,7 +113,7 @@ class KnownFailures:
     ) -> None:
         if self._store is None:
             return
-        key = self._key_for(args, kwargs)
+        key = self._key.get(args, kwargs)
         if key is None:
             return
         self._store.put(
@@ -133,9 +133,3 @@ class KnownFailures:
         if self._store is not None and self._key.value is not None:
             self._store.clear(self._key.value)
         self._checked = False
-
-    def _key_for(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> str | None:
-        try:
-            return self._key.get(args, kwargs)
-        except Exception:  # never fail a call over a key
-            return None

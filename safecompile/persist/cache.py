@@ -207,14 +207,17 @@ class CallKey:
         self._options = dict(options)
         self.value: str | None = None  # None until a call made it
 
-    def get(self, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None) -> str:
-        """The key, made now if no call made it yet; raises what :func:`artifact_key` may."""
+    def get(self, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None) -> str | None:
+        """The key, made now if no call made it yet; ``None`` (warned once) if it cannot be."""
         if self.value is None:
             values = (*args, *(kwargs or {}).values())
             device = next(
                 (t.device for t in values if isinstance(t, torch.Tensor)), torch.device("cpu")
             )
-            self.value = artifact_key(self._target, device=device, **self._options)
+            try:
+                self.value = artifact_key(self._target, device=device, **self._options)
+            except Exception as exc:  # never fail a call over a key
+                warn_ignored("key", exc)
         return self.value
 
 

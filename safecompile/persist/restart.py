@@ -9,7 +9,6 @@ on-disk cache wrote them). A failure is one ``safecompile.cache_file_ignored`` w
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import threading
 import time
@@ -20,12 +19,12 @@ from typing import Any
 import torch
 
 from safecompile.base import torchcompat
-from safecompile.observe.log import log_event
 from safecompile.shapes.buckets import Bucketer, BucketError, CutSpec, Plan
 from safecompile.shapes.table import BucketEntry, BucketStatus
 
 from .bounded import read_file
 from .cache import CallKey, Verdict, _write_atomic, signed_store
+from .signing import warn_ignored
 
 __all__ = ["ARTIFACTS", "BUCKET_REJECTED", "BUCKET_VERIFIED", "Persisted", "bucket_scope"]
 
@@ -61,13 +60,7 @@ class Persisted:
         self, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None
     ) -> str | None:
         """The artifact key, made at the first call (the device is the first tensor's)."""
-        if self._store is None:
-            return None
-        try:
-            return self._key.get(args, kwargs)
-        except Exception as exc:  # never fail a call over a key
-            _warn("key", exc)
-            return None
+        return self._key.get(args, kwargs) if self._store is not None else None
 
     def restore(self, entry: BucketEntry, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """A bucket's first sight in this process: take an earlier process's verdict."""
@@ -118,7 +111,7 @@ class Persisted:
         try:
             self._store.put(key, verdict, bucket_scope(entry.key))
         except Exception as exc:  # a verdict is an optimisation: never fail a call
-            _warn("bucket verdict", exc)
+            warn_ignored("bucket verdict", exc)
 
     def load_artifacts(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """Once per process, before the first compile: load torch's portable artifacts
@@ -147,12 +140,12 @@ class Persisted:
             assert signing is not None  # no key, no store
             blob = signing.unseal(_ARTIFACTS_PURPOSE, key, sealed)  # torch unpickles it
         except (OSError, ValueError) as exc:
-            _warn(str(path), f"not loaded: {type(exc).__name__}: {exc}")
+            warn_ignored(path, f"not loaded: {type(exc).__name__}: {exc}")
             return
         try:
             torch.compiler.load_cache_artifacts(blob)
         except Exception as exc:
-            _warn(str(path), exc)
+            warn_ignored(path, exc)
 
     def save_artifacts(self, name: str) -> None:
         """After a warmup: save every artifact this process compiled or loaded so far."""
@@ -174,7 +167,7 @@ class Persisted:
             verdict = Verdict(kind=ARTIFACTS, time=time.time(), name=name, details=info)
             self._store.put(key, verdict, _ARTIFACTS_SCOPE)
         except Exception as exc:
-            _warn("compile artifacts", exc)
+            warn_ignored("compile artifacts", exc)
 
     def _blob(self, key: str) -> Path:
         assert self._root is not None
@@ -191,14 +184,9 @@ class Persisted:
         try:
             self._blob(key).unlink(missing_ok=True)
         except OSError as exc:
-            _warn("compile artifacts", exc)
+            warn_ignored("compile artifacts", exc)
 
 
 def _torch_cache_dir() -> str | None:
     value = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     return str(Path(value).absolute()) if value else None
-
-
-def _warn(what: str, problem: str | BaseException) -> None:
-    reason = problem if isinstance(problem, str) else f"{type(problem).__name__}: {problem}"
-    log_event("safecompile.cache_file_ignored", level=logging.WARNING, path=what, reason=reason)

@@ -140,13 +140,13 @@ def warn_once(token: str, reason: str) -> None:
     _said.warn(("untrusted", token), "safecompile.cache_untrusted", reason=reason)
 
 
-def warn_ignored(path: Path | str, reason: str) -> None:
-    """One ``safecompile.cache_file_ignored`` warning per entry and reason; never raises."""
+def warn_ignored(path: Path | str, problem: str | BaseException) -> None:
+    """One ``safecompile.cache_file_ignored`` warning per entry and reason (a cache that
+    fails at every call says so once); never raises."""
+    reason = problem if isinstance(problem, str) else f"{type(problem).__name__}: {problem}"
+    where = str(path)
     _said.warn(
-        ("ignored", str(path), reason),
-        "safecompile.cache_file_ignored",
-        path=str(path),
-        reason=reason,
+        ("ignored", where, reason), "safecompile.cache_file_ignored", path=where, reason=reason
     )
 
 
