@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -16,40 +17,34 @@ FOREVER = 1 << 62  # a countdown that never runs out
 _WEEK = 7 * 24 * 3600.0  # the longest wait an option may ask for
 
 
-def _check_int(
-    owner: str, name: str, value: object, *, minimum: int, maximum: int | None = None
-) -> None:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, int)
-        or value < minimum
-        or (maximum is not None and value > maximum)
-    ):
-        bound = f">= {minimum}" if maximum is None else f"from {minimum} to {maximum}"
-        raise ConfigError(f"{owner}({name}=...) must be an int {bound}, got {value!r}")
-
-
 def _check_number(
     owner: str,
     name: str,
     value: object,
     *,
     minimum: float,
-    strict: bool = False,
     maximum: float | None = None,
+    strict: bool = False,
+    integer: bool = False,
+    optional: bool = False,
 ) -> None:
-    ok = (
-        not isinstance(value, bool)
-        and isinstance(value, int | float)
-        and math.isfinite(value)
-        and (value > minimum if strict else value >= minimum)
-        and (maximum is None or value <= maximum)
-    )
-    if not ok:
+    """Raise unless ``value`` is a finite number (an int with ``integer``) in bounds, or
+    ``None`` where ``optional`` (the option's off value)."""
+    if optional and value is None:
+        return
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or (integer and not isinstance(value, int))
+        or (not integer and not math.isfinite(value))  # an int may be too big for a float
+        or not (value > minimum if strict else value >= minimum)
+        or (maximum is not None and value > maximum)
+    ):
+        kind = "an int" if integer else "a finite number"
         bound = f"> {minimum}" if strict else f">= {minimum}"
         if maximum is not None:
-            bound += f" and <= {maximum:g}"
-        raise ConfigError(f"{owner}({name}=...) must be a finite number {bound}, got {value!r}")
+            bound = f"from {minimum} to {maximum}" if integer else f"{bound} and <= {maximum:g}"
+        raise ConfigError(f"{owner}({name}=...) must be {kind} {bound}, got {value!r}")
 
 
 def _check_choice(owner: str, name: str, value: object, choices: Sequence[str]) -> None:
@@ -63,8 +58,8 @@ def pow2(lo: int, hi: int) -> tuple[int, ...]:
 
     ``pow2(16, 2048) == (16, 32, 64, 128, 256, 512, 1024, 2048)``.
     """
-    _check_int("pow2", "lo", lo, minimum=1)
-    _check_int("pow2", "hi", hi, minimum=lo)
+    _check_number("pow2", "lo", lo, minimum=1, integer=True)
+    _check_number("pow2", "hi", hi, minimum=lo, integer=True)
     return tuple(1 << e for e in range((lo - 1).bit_length(), (hi - 1).bit_length() + 1))
 
 
@@ -75,9 +70,9 @@ def steps(lo: int, hi: int, step: int) -> tuple[int, ...]:
     work for more graphs; concatenate ranges for vLLM-like lists:
     ``pow2(1, 4) + steps(8, 256, 8) + steps(272, 512, 16)``.
     """
-    _check_int("steps", "lo", lo, minimum=1)
-    _check_int("steps", "hi", hi, minimum=lo)
-    _check_int("steps", "step", step, minimum=1)
+    _check_number("steps", "lo", lo, minimum=1, integer=True)
+    _check_number("steps", "hi", hi, minimum=lo, integer=True)
+    _check_number("steps", "step", step, minimum=1, integer=True)
     count = -(-(hi - lo) // step)  # ceil: the last value holds hi
     return tuple(lo + i * step for i in range(count + 1))
 
@@ -369,11 +364,6 @@ class Buckets:
             object.__setattr__(self, "pad_value", FrozenMap(self.pad_value))
 
     @property
-    def named(self) -> bool:
-        """Whether ``dims`` names axes (several independent lengths may vary)."""
-        return self.axes[0].name is not None
-
-    @property
     def bucket_count(self) -> int:
         """How many buckets there are: the product of each axis's number of sizes."""
         return math.prod(len(a.sizes) for a in self.axes)
@@ -435,7 +425,7 @@ class Warmup:
         if not isinstance(self.background, bool):
             raise ConfigError(f"Warmup(background=...) must be a bool, got {self.background!r}")
         if self.nice is not None:  # None: leave the worker's priority alone
-            _check_int("Warmup", "nice", self.nice, minimum=0, maximum=19)
+            _check_number("Warmup", "nice", self.nice, minimum=0, maximum=19, integer=True)
 
     def resolve(self) -> tuple[tuple[Any, ...], ...]:
         """The example argument tuples (calling ``inputs`` if it is a callable)."""
@@ -478,14 +468,12 @@ class Shadow:
     queue_size: int = 16
 
     def __post_init__(self) -> None:
-        _check_int("Shadow", "canary", self.canary, minimum=0)
-        _check_int("Shadow", "every", self.every, minimum=0)
+        _check_number("Shadow", "canary", self.canary, minimum=0, integer=True)
+        _check_number("Shadow", "every", self.every, minimum=0, integer=True)
         _check_choice("Shadow", "mode", self.mode, ("sync", "async"))
-        for name in ("rtol", "atol"):
-            value = getattr(self, name)
-            if value is not None:
-                _check_number("Shadow", name, value, minimum=0.0)
-        _check_int("Shadow", "queue_size", self.queue_size, minimum=1)
+        _check_number("Shadow", "rtol", self.rtol, minimum=0.0, optional=True)
+        _check_number("Shadow", "atol", self.atol, minimum=0.0, optional=True)
+        _check_number("Shadow", "queue_size", self.queue_size, minimum=1, integer=True)
 
     def countdown(self, canary_left: int) -> int:
         """Calls of a graph to serve unchecked before its next check is due."""
@@ -498,28 +486,17 @@ class Shadow:
 class Rollback:
     """When to leave the compiled path, and when to try it again.
 
-    Past ``max_recompiles`` graphs, new shapes run eager (the graphs already made keep
-    serving); ``None`` (default) is 8, or with ``Buckets`` enough graphs for every
-    bucket (:attr:`recompile_limit` reads it). ``slower_ratio`` (on by default): the
-    compiled path measured slower than eager by more than that ratio — the whole call the
-    user makes against the original function, on paired live calls — rolls back
-    (``slower``). It is measured on a
-    bounded share of live calls (at most 1% at steady state; a verdict reads
-    ``slower_min_samples`` pairs at least, at most 128; docs/speed.md),
-    and measured again later, with backoff. ``None`` turns it off.
+    The speed verdict (``slower_ratio``) times the whole call the user makes against the
+    original function, on paired live calls: a bounded share of them (at most 1% at
+    steady state, at most 128 pairs a verdict), measured again later with backoff
+    (docs/speed.md). After a trip the compiled path is tried again with one call (a
+    half-open trial). With ``safe_compile(group=...)``, ranks agree on trips at safe
+    points and at ``sync()`` (docs/fleet.md, "Ranks that agree").
 
-    ``retry_after`` seconds after a trip the compiled path is tried again (one call, a
-    half-open trial); each failed trial doubles the wait, up to ``max_retry_after``;
-    ``0`` tries again on the next call. ``None`` keeps eager until ``reset()``.
-
-    With ``safe_compile(group=...)``, ranks agree on trips every ``sync_every`` calls
-    (and at ``sync()``); a safe point waits at most ``sync_timeout`` seconds for its
-    peers, at most a week (docs/fleet.md, "Ranks that agree").
-
-    :param max_recompiles: graphs at most; past it new shapes run eager
-        (``recompile_limit``); ``None``: 8, or one graph for every bucket.
-    :param slower_ratio: roll back a compiled path measured slower than eager by this
-        ratio (``slower``); ``None``: never.
+    :param max_recompiles: graphs at most; past it new shapes run eager while the graphs
+        made keep serving (``recompile_limit``); ``None``: 8, or one graph for every bucket.
+    :param slower_ratio: roll back (``slower``) a compiled path measured slower than
+        eager by more than this ratio; ``None``: never.
     :param slower_min_samples: timing pairs a speed verdict reads at least.
     :param retry_after: seconds after a trip before the compiled path is tried again;
         ``0``: the next call; ``None``: never, until ``reset()``.
@@ -533,24 +510,19 @@ class Rollback:
     slower_min_samples: int = 16
     retry_after: float | None = None
     max_retry_after: float = 3600.0
-    sync_every: int = 64  # with safe_compile(group=...): calls between safe points
-    sync_timeout: float = 300.0  # seconds a safe point waits for its peers
+    sync_every: int = 64
+    sync_timeout: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.max_recompiles is not None:
-            _check_int("Rollback", "max_recompiles", self.max_recompiles, minimum=1)
-        _check_int("Rollback", "sync_every", self.sync_every, minimum=1)
-        _check_number(
-            "Rollback", "sync_timeout", self.sync_timeout, minimum=0.0, strict=True, maximum=_WEEK
-        )
-        if self.slower_ratio is not None:
-            _check_number("Rollback", "slower_ratio", self.slower_ratio, minimum=1.0)
-        _check_int(  # the speed verdict reads at most 128 pairs (SpeedPolicy.max_pairs)
-            "Rollback", "slower_min_samples", self.slower_min_samples, minimum=1, maximum=128
-        )
-        if self.retry_after is not None:
-            _check_number("Rollback", "retry_after", self.retry_after, minimum=0.0)
-        _check_number("Rollback", "max_retry_after", self.max_retry_after, minimum=0.0, strict=True)
+        check = functools.partial(_check_number, "Rollback")
+        check("max_recompiles", self.max_recompiles, minimum=1, integer=True, optional=True)
+        check("sync_every", self.sync_every, minimum=1, integer=True)
+        check("sync_timeout", self.sync_timeout, minimum=0.0, strict=True, maximum=_WEEK)
+        check("slower_ratio", self.slower_ratio, minimum=1.0, optional=True)
+        # the speed verdict reads at most 128 pairs (SpeedPolicy.max_pairs)
+        check("slower_min_samples", self.slower_min_samples, minimum=1, maximum=128, integer=True)
+        check("retry_after", self.retry_after, minimum=0.0, optional=True)
+        check("max_retry_after", self.max_retry_after, minimum=0.0, strict=True)
         if self.retry_after is not None and self.max_retry_after < self.retry_after:
             raise ConfigError(
                 "Rollback(max_retry_after=...) must be >= retry_after "
