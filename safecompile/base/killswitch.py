@@ -94,12 +94,10 @@ def doubts(
     if value is None:
         return []
     text = _text(value).strip()
-    if text.lower() in _OFF or text.lower() in _ALL:
-        return []
     known = tuple(sorted(names))
     found: list[tuple[str, str]] = []
-    for pattern in (p.strip() for p in text.split(",")):
-        if pattern and not any(fnmatch.fnmatchcase(n, pattern) for n in known):
+    for pattern in parse(text).patterns:  # none for the off and all words
+        if not any(fnmatch.fnmatchcase(n, pattern) for n in known):
             sentence = _doubt(pattern, known, unmatched=unmatched)
             if sentence is not None:
                 found.append((pattern, f"{ENV_VAR}={text!r}: {sentence}"))
@@ -143,10 +141,6 @@ class _CodeSwitch:
         self.generation = 0
         self.names: set[str] = set()
         self.warned: set[str] = set()
-
-    def matches(self, name: str) -> bool:
-        """Whether code or the watched source disables the callable named ``name``."""
-        return self.rule.matches(name) or self.watched.matches(name)
 
 
 SWITCH = _CodeSwitch()
@@ -237,4 +231,4 @@ def is_disabled(name: str) -> bool:
     watched source)."""
     token = env_token()
     env_rule = parse(token if isinstance(token, str | bytes) else None)
-    return env_rule.matches(name) or SWITCH.matches(name)
+    return env_rule.matches(name) or SWITCH.rule.matches(name) or SWITCH.watched.matches(name)
