@@ -90,6 +90,10 @@ def _trace_ids(span: trace.Span | None) -> dict[str, str]:
     }
 
 
+# structlog's method for a level (any wrapper class has these, not every one a log(level)).
+_METHODS = ((logging.ERROR, "error"), (logging.WARNING, "warning"), (logging.INFO, "info"))
+
+
 def _safe_key(key: str) -> str:
     return f"safecompile_{key}" if key in _RESERVED else key
 
@@ -108,15 +112,8 @@ def log_event(
                 payload[_safe_key("event")] = event
                 _stdlib_logger.log(level, readable_line(event, fields), extra=payload)
             return
-        logger: Any = structlog.get_logger(LOGGER_NAME)
-        if level >= logging.ERROR:
-            logger.error(event, **payload)
-        elif level >= logging.WARNING:
-            logger.warning(event, **payload)
-        elif level >= logging.INFO:
-            logger.info(event, **payload)
-        else:
-            logger.debug(event, **payload)
+        method = next((name for floor, name in _METHODS if level >= floor), "debug")
+        getattr(structlog.get_logger(LOGGER_NAME), method)(event, **payload)
     except Exception as exc:  # logging must never break a call
         report_internal_error("log", exc)
 
