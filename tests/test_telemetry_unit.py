@@ -382,9 +382,7 @@ def test_observed_source_vanishes_when_collected(
     del counts
     gc.collect()
     assert calls_points(reader) == {("gone.fn", "compiled"): 3, ("gone.fn", "eager"): 1}
-    assert not any(
-        entry.function == "gone.fn" for entry in telemetry_module._calls_registry.entries()
-    )
+    assert not any(entry.function == "gone.fn" for entry in telemetry_module._live_entries())
 
 
 def test_observed_telemetry_collected_with_its_owner(
@@ -407,7 +405,7 @@ def test_observed_telemetry_collected_with_its_owner(
     del owner
     gc.collect()
     assert calls_points(reader)[("owned.fn", "compiled")] == 2
-    assert not any(e.function == "owned.fn" for e in telemetry_module._calls_registry.entries())
+    assert not any(e.function == "owned.fn" for e in telemetry_module._live_entries())
 
 
 def test_a_raising_source_is_skipped(

@@ -141,13 +141,13 @@ class _Instruments:
 
     def _graphs(self) -> list[Observation]:
         totals: Counter[tuple[str, str]] = Counter()
-        for entry in _calls_registry.entries():
+        for entry in _live_entries():
             for check, n in (entry.read_graphs(self) or {}).items():
                 totals[entry.function, check] += int(n)
         return _observations(totals, "safecompile.check")
 
     def _calls(self) -> list[Observation]:
-        entries = _calls_registry.entries()  # first: it retires the callables gone
+        entries = _live_entries()  # first: it retires the callables gone
         totals = Counter(self.retired)
         for entry in entries:
             counts = entry.read(self)
@@ -233,30 +233,19 @@ def _weak(fn: Callable[..., _R]) -> weakref.ref[Callable[..., _R]]:
     return weakref.WeakMethod(fn) if inspect.ismethod(fn) else weakref.ref(fn)
 
 
-class _CallsRegistry:
-    """Every call-count source; one found dead is retired when the registry is next read."""
+# Every call-count source; one found dead is retired when the sources are next read or added.
+_entries_lock = threading.Lock()
+_entries: set[_CallsEntry] = set()
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._entries: set[_CallsEntry] = set()
 
-    def add(self, entry: _CallsEntry) -> None:
-        with self._lock:
-            self._prune()
-            self._entries.add(entry)
-
-    def entries(self) -> list[_CallsEntry]:
-        with self._lock:
-            self._prune()
-            return list(self._entries)
-
-    def _prune(self) -> None:
-        for entry in [e for e in self._entries if e.owner() is None or e.source() is None]:
-            self._entries.discard(entry)
+def _live_entries(adding: _CallsEntry | None = None) -> list[_CallsEntry]:
+    with _entries_lock:
+        for entry in [e for e in _entries if e.owner() is None or e.source() is None]:
+            _entries.discard(entry)
             entry.retire()
-
-
-_calls_registry = _CallsRegistry()
+        if adding is not None:
+            _entries.add(adding)
+        return list(_entries)
 
 
 # ---------------------------------------------------------------------------- telemetry
@@ -471,13 +460,11 @@ class Telemetry:
         reader collects; called once. Both are held weakly: pass bound methods of the object
         whose life bounds the callable's. Once one, or this ``Telemetry``, is collected, the
         last counts read stay in the totals (the counter never goes down)."""
-        _guarded("Telemetry.observe_calls", self._observe_calls, source, graphs)
-
-    def _observe_calls(
-        self, source: Callable[[], tuple[int, int]], graphs: Callable[[], Mapping[str, int]] | None
-    ) -> None:
-        self._instruments()  # make sure the observable counter exists on this meter
-        _calls_registry.add(_CallsEntry(self, source, graphs))
+        try:
+            self._instruments()  # make sure the observable counter exists on this meter
+            _live_entries(adding=_CallsEntry(self, source, graphs))
+        except Exception as exc:  # telemetry never breaks a call
+            report_internal_error("Telemetry.observe_calls", exc)
 
 
 def _break_attributes(entry: object) -> dict[str, Any]:
