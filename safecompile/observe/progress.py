@@ -135,11 +135,6 @@ def watch_compile(
     return end
 
 
-def _text(compiling: Compiling) -> str:
-    line = f"compiling {compiling.function} [{compiling.graph}] \u2026 {compiling.elapsed():.0f} s"
-    return truncate(line, _LINE_LIMIT)
-
-
 def _wait(done: threading.Event, seconds: float) -> bool:
     """Wait for a compile's end (tests replace this to script the passing of time)."""
     return done.wait(seconds)
@@ -177,7 +172,8 @@ class _Spinner:
         with self.lock:
             if compiling.done.is_set() or self.closed:
                 return
-            line = _text(compiling)
+            what = f"{compiling.function} [{compiling.graph}]"
+            line = truncate(f"compiling {what} \u2026 {compiling.elapsed():.0f} s", _LINE_LIMIT)
             if self.tty:
                 self.out.write("\r" + line.ljust(self.width))
                 self.width = max(self.width, len(line))

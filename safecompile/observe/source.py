@@ -157,10 +157,7 @@ def without_our_frames(exc: BaseException) -> BaseException:
 
 def _plain_function_name(name: str) -> str:
     """``torch_dynamo_resume_in_f_at_7`` -> ``f`` (dynamo's resume functions)."""
-    for _ in range(_MAX_CHAIN):
-        match = _RESUME_RE.match(name)
-        if match is None:
-            break
+    while (match := _RESUME_RE.match(name)) is not None:  # each match is shorter
         name = match.group("func")
     return name
 
@@ -337,8 +334,9 @@ def _frame_location(frame: types.FrameType, lineno: int) -> SourceLocation:
     return SourceLocation(code.co_filename, line, _plain_function_name(code.co_qualname))
 
 
-def _backend_node_location(inner: BaseException) -> SourceLocation | None:
-    """Where the FX node a backend failed on came from, when torch lets us know."""
+def _backend_location(inner: BaseException) -> SourceLocation | None:
+    """Where the FX node a backend failed on came from, when torch lets us know; else
+    the user frame of a dynamo error inside the backend's."""
     for exc in exception_chain(inner):
         # fx.Interpreter ("Original traceback:") and inductor lowering ("Found from :")
         # put the failing node's stack_trace in the message.
@@ -354,6 +352,10 @@ def _backend_node_location(inner: BaseException) -> SourceLocation | None:
                 found = _node_location(frame.f_locals.get(name))
                 if found is not None:
                     return found
+    for nested in exception_chain(inner):
+        found = innermost_user_frame(getattr(nested, "real_stack", None) or ())
+        if found is not None:
+            return found
     return None
 
 
@@ -408,14 +410,7 @@ def location_of_error(exc: BaseException, fn: object) -> tuple[SourceLocation | 
             return _from_summary(summary), None
         inner = getattr(link, "inner_exception", None)
         if isinstance(inner, BaseException):  # BackendCompilerFailed / InductorError
-            found = _backend_node_location(inner)
-            if found is None:
-                for nested in exception_chain(inner):
-                    stack = getattr(nested, "real_stack", None)
-                    found = innermost_user_frame(stack) if stack else None
-                    if found is not None:
-                        break
-            return found or location_of_function(fn), None
+            return _backend_location(inner) or location_of_function(fn), None
     found, generated = _runtime_location(exc)
     return found or location_of_function(fn), generated
 
