@@ -40,39 +40,31 @@ class CompileTracker:
         me = threading.get_ident()
         return any(thread != me for thread in list(self._depth))
 
-    def enter(self, *, exclusive: bool = False) -> bool:
-        """Note that this thread compiles (nested calls count). ``exclusive``: only if no
-        other thread does (``False`` then, and nothing noted)."""
+    @contextmanager
+    def claim(self, *, exclusive: bool = False) -> Iterator[bool]:
+        """Note that this thread compiles while the block runs (nested claims count),
+        released whatever way it ends. ``exclusive``: only if no other thread compiles
+        (``False`` then, and nothing noted)."""
         me = threading.get_ident()
         with self._lock:
-            if exclusive and any(thread != me for thread in self._depth):
-                return False
-            self._depth[me] = self._depth.get(me, 0) + 1
-            outermost = self._depth[me] == 1
+            got = not (exclusive and self.busy_elsewhere())
+            if got:
+                self._depth[me] = self._depth.get(me, 0) + 1
+            outermost = got and self._depth[me] == 1
+        if not got:
+            yield False
+            return
         if outermost:
             remote.mark_compile()  # what torch reads from Redis from here is this compile's
         self._on_change()
-        return True
-
-    def leave(self) -> None:
-        me = threading.get_ident()
-        with self._lock:
-            depth = self._depth.get(me, 0) - 1
-            if depth > 0:
-                self._depth[me] = depth
-            else:
-                self._depth.pop(me, None)
-        self._on_change()
-
-    @contextmanager
-    def claim(self, *, exclusive: bool = False) -> Iterator[bool]:
-        """``enter``/``leave`` around a block, released whatever way the block ends."""
-        got = self.enter(exclusive=exclusive)
         try:
-            yield got
+            yield True
         finally:
-            if got:
-                self.leave()
+            with self._lock:
+                depth = self._depth.pop(me, 1) - 1
+                if depth > 0:
+                    self._depth[me] = depth
+            self._on_change()
 
     def reset(self) -> None:
         with self._lock:

@@ -25,8 +25,7 @@ __all__ = [
 ]
 
 
-def _validate_backend(backend: object) -> str | Callable[..., Any]:
-    """``backend`` itself, once it is known to be a backend name or a callable."""
+def _validate_backend(backend: object) -> None:
     if isinstance(backend, str):
         known = sorted(torch.compiler.list_backends(exclude_tags=()))
         if backend not in known:
@@ -39,10 +38,9 @@ def _validate_backend(backend: object) -> str | Callable[..., Any]:
             "safe_compile(backend=...) must be a backend name or a callable "
             f"(gm, example_inputs) -> callable, got {type(backend).__name__}"
         )
-    return backend
 
 
-def _validate_mode(backend: str | Callable[..., Any], mode: object) -> None:
+def _validate_mode(backend: object, mode: object) -> None:
     if mode is None:
         return
     modes = sorted(torchcompat.mode_options())
@@ -91,8 +89,8 @@ def validate_compile_options(
     fullgraph: object,
 ) -> None:
     """Refuse what ``torch.compile`` would refuse later (or silently ignore), now."""
-    checked_backend = _validate_backend(backend)
-    _validate_mode(checked_backend, mode)
+    _validate_backend(backend)
+    _validate_mode(backend, mode)
     _validate_options(backend, mode, options)
     if dynamic is not None and not isinstance(dynamic, bool):
         raise ConfigError(f"safe_compile(dynamic=...) must be None, True or False, got {dynamic!r}")
@@ -108,9 +106,8 @@ def build_compiler(
     dynamic: bool | None,
 ) -> CompilerFn:
     """The compiler ``torch.compile(backend=..., mode=..., options=...)`` would use."""
-    opts = dict(options) if options is not None else None
-    if opts is not None:
-        opts.pop("guard_filter_fn", None)
+    # guard_filter_fn is torch.compile's own option, not the compiler's
+    opts = None if options is None else {k: v for k, v in options.items() if k != "guard_filter_fn"}
     if mode is None and opts is None:
         mode = "default"
     compiler = torchcompat.compiler_wrapper(backend, mode, opts, dynamic)
@@ -131,14 +128,12 @@ def compile_function(
 ) -> Callable[..., Any]:
     """``torch.compile`` with a per-function recompile limit and isolated cache entries,
     where this torch has them (2.13 does; older releases fall back to the global limit)."""
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = {"options": options} if options else {}
     limits = torchcompat.per_function_limit(recompile_limit)
     if isinstance(limits, torchcompat.Missing):
         torch_missing(limits)
     else:
         extra.update(limits)
-    if options:
-        extra["options"] = options
     return torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph, **extra)
 
 

@@ -184,10 +184,6 @@ class GraphTable:
         statuses = [record.check() for record in self]
         return {status: statuses.count(status) for status in ("checked", "unchecked", "not_yet")}
 
-    def compiled_for(self, code: str) -> int:
-        """How many graphs were compiled for one code object (the recompile limit's unit)."""
-        return sum(1 for record in self if record.compiled and record.code == code)
-
     def countdown(self, record: GraphRecord) -> int:
         """The record's next countdown, as the shadow policy decides."""
         if self._shadow is None or record.unchecked is not None or not record.compiled:
@@ -278,7 +274,8 @@ class GuardBackend:
                 # Threads racing on one new input signature each made dynamo trace it;
                 # torch does not de-duplicate: the first compile serves them all.
                 return _instrument(*made, hooks)
-            compiled = hooks.table.compiled_for(code) < hooks.limit
+            # the recompile limit counts the graphs compiled per code object
+            compiled = sum(1 for r in hooks.table if r.compiled and r.code == code) < hooks.limit
             if compiled:
                 # Compile the backward graph now, not lazily at .backward(): a failure
                 # then surfaces here, on the guarded call, where eager can answer it.
@@ -290,7 +287,7 @@ class GuardBackend:
             record.compile_s = time.perf_counter() - started
             record.breaks = graph_breaks_of(gm, include_resumed=True)
             if frame is not None:  # as its running frame will show it
-                record.frame = (frame.co_name, frame.co_filename, frame.co_firstlineno)
+                record.frame = _frame_key(frame)
             self._made[twin] = (record, inner)
             hooks.on_graph(record, gm)
         return _instrument(record, inner, hooks)
@@ -484,18 +481,12 @@ def find_effects(
     """At run time, just before the graph runs: the objects its frame will update, read
     back from the running frame (dynamo's transformed code keeps the frame's locals and
     globals). Also the name of the first one that could not be found (``None``: all)."""
-    key = record.frame
     frame: types.FrameType | None = sys._getframe(1)
     for _ in range(_FRAME_DEPTH):
-        if frame is None or key is None:
-            break
-        code = frame.f_code
-        if (code.co_name, code.co_filename, code.co_firstlineno) == key:
+        if frame is None or _frame_key(frame.f_code) == record.frame:
             break
         frame = frame.f_back
-    else:
-        frame = None
-    if frame is None or key is None:
+    if frame is None or _frame_key(frame.f_code) != record.frame:
         return [], f"the frame of {record.code} (not found on the stack)"
     scope: dict[str, Any] = {"L": frame.f_locals, "G": frame.f_globals}
     names = _closure_names()
@@ -516,10 +507,12 @@ def find_effects(
     return found, None
 
 
-@functools.cache
-def _closure_names() -> dict[str, Any]:
-    """The helpers dynamo's source names may call (``___odict_getitem``...)."""
-    return torchcompat.closure_vars()
+# the helpers dynamo's source names may call (``___odict_getitem``...)
+_closure_names = functools.cache(torchcompat.closure_vars)
+
+
+def _frame_key(code: types.CodeType) -> tuple[str, str, int]:
+    return (code.co_name, code.co_filename, code.co_firstlineno)
 
 
 def _code_name(code: types.CodeType | None) -> str:
@@ -653,7 +646,6 @@ def _dropout_draws(
     name: str, target: object, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> bool:
     """Whether a dropout-like call draws: ``p > 0`` and training; ``rrelu``: training."""
-
     try:
         bound = inspect.signature(target).bind(*args, **kwargs)  # type: ignore[arg-type]
         bound.apply_defaults()
@@ -678,7 +670,7 @@ def random_op(gm: torch.fx.GraphModule) -> str | None:
         if node.op not in ("call_function", "call_method"):
             continue
         name = _target_name(node.target)
-        if name in _DROPOUTS or name.rstrip("_") in _DROPOUTS:
+        if name.rstrip("_") in _DROPOUTS:
             if node.op == "call_function" and _dropout_draws(
                 name.rstrip("_"), node.target, node.args, node.kwargs
             ):

@@ -208,21 +208,18 @@ class ShadowRunner:
         return compare(out, eager_out, rtol=rtol, atol=atol)
 
     def _compare_state(self, after: After) -> Comparison:
-        result = self._compare(*after.tensor_states())
-        if not result.ok:
-            reason = f"the state update differs (buffers or inputs): {result.reason}"
-            return dataclasses.replace(result, reason=reason)
-        compiled, eager = after.object_states()
-        if not compiled:
-            return result
-        objects = self._compare(compiled, eager)
+        tensors = self._compare(*after.tensor_states())
+        if not tensors.ok:
+            reason = f"the state update differs (buffers or inputs): {tensors.reason}"
+            return dataclasses.replace(tensors, reason=reason)
+        objects = self._compare(*after.object_states())
         why = None if objects.ok else f"the Python objects it updates differ: {objects.reason}"
         return Comparison(
-            ok=objects.ok,
-            max_abs=max(result.max_abs, objects.max_abs),
-            max_rel=max(result.max_rel, objects.max_rel),
-            reason=why,
-            leaves=result.leaves + objects.leaves,
+            objects.ok,
+            max(tensors.max_abs, objects.max_abs),
+            max(tensors.max_rel, objects.max_rel),
+            why,
+            tensors.leaves + objects.leaves,
         )
 
     def note(
