@@ -50,7 +50,6 @@ __all__ = [
     "read_facts",
     "time_tracing",
     "trace_started",
-    "unchecked_reason",
 ]
 
 
@@ -300,8 +299,18 @@ class GuardBackend:
 
 
 def read_facts(gm: torch.fx.GraphModule) -> GraphFacts:
-    """A graph's facts as dynamo hands it over (its side-effect record is live then)."""
-    effects, unchecked = unchecked_reason(random_op(gm))
+    """A graph's facts as dynamo hands it over (its side-effect record is live then);
+    ``unchecked`` says why a shadow check must skip it (``None``: it need not)."""
+    effects, lost = outside_effects()
+    random = random_op(gm)
+    unchecked: str | None = None
+    if random is not None:
+        unchecked = f"the graph draws random numbers ({random}): compiled and eager streams differ"
+    elif lost is not None:
+        unchecked = (
+            f"the call updates a Python object that cannot be found again to copy "
+            f"({lost}): eager cannot rerun it without applying the update twice"
+        )
     code = _code_name(torchcompat.frame_code())
     return GraphFacts(describe_inputs(gm), code, unchecked, mutates_in_place(gm), effects)
 
@@ -425,21 +434,6 @@ def outside_effects() -> tuple[tuple[Effect, ...], str | None]:
     except Exception as exc:  # not readable: a check cannot know what to put back
         return (), f"dynamo's record of side effects ({type(exc).__name__})"
     return tuple(found), None
-
-
-def unchecked_reason(random: str | None) -> tuple[tuple[Effect, ...], str | None]:
-    """What the frame being compiled updates (:func:`outside_effects`), and why a shadow
-    check must skip its graph (``random``: the graph's :func:`random_op`); ``None``: it need not."""
-    effects, lost = outside_effects()
-    if random is not None:
-        why = f"the graph draws random numbers ({random}): compiled and eager streams differ"
-        return effects, why
-    if lost is not None:
-        return effects, (
-            f"the call updates a Python object that cannot be found again to copy "
-            f"({lost}): eager cannot rerun it without applying the update twice"
-        )
-    return effects, None
 
 
 def _effect_of(var: Any, dynamo: torchcompat.SideEffects, packed: set[str]) -> Effect | str | None:
@@ -702,11 +696,10 @@ class Recorder:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         breaks = tuple(graph_breaks_of(gm, include_resumed=True))
-        random = random_op(gm)
-        _, unchecked = unchecked_reason(random)
+        unchecked = read_facts(gm).unchecked  # the guard's own words
         started = time.perf_counter()
         try:
             return self._compiler(gm, example_inputs)
         finally:
             elapsed = time.perf_counter() - started
-            self.graphs.append(RecordedGraph(breaks, random, elapsed, unchecked))
+            self.graphs.append(RecordedGraph(breaks, random_op(gm), elapsed, unchecked))
