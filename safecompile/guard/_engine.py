@@ -38,6 +38,7 @@ from safecompile.observe.source import (
     safe_message,
     truncate,
 )
+from safecompile.observe.telemetry import Telemetry
 from safecompile.persist.restart import Persisted
 from safecompile.shapes.buckets import Bucketer, uses_cudagraphs
 from safecompile.shapes.table import BucketTable
@@ -59,7 +60,7 @@ from .graphs import (
     trace_started,
 )
 from .peers import Peers
-from .shadow import ShadowRunner, Sink
+from .shadow import ShadowRunner
 
 __all__ = ["Engine", "Gate"]
 
@@ -122,7 +123,7 @@ class Engine:
         fn: Callable[..., Any],
         opts: Options,
         compiler: CompilerFn,
-        sink: Sink,
+        sink: Telemetry,
         module: torch.nn.Module | None = None,
         bucketer: Bucketer | None = None,
         peers: Peers | None = None,

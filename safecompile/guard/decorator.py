@@ -34,7 +34,6 @@ from ._engine import Engine
 from ._paths import entrypoint
 from .backend import build_compiler, validate_compile_options
 from .peers import Fleet, Peers
-from .shadow import Sink
 
 __all__ = ["Guarded", "decorate"]
 
@@ -213,7 +212,7 @@ def _controller(
 ) -> Controller:
     activate_remote_cache()  # SAFECOMPILE_REMOTE_CACHE: torch's remote caches, fleet verdicts
     fleet.watch()  # SAFECOMPILE_DISABLE_SOURCE: the fleet kill switch
-    sink: Sink = Telemetry(
+    sink = Telemetry(
         function=name,
         backend=opts.backend_label,
         tracer_provider=opts.tracer_provider,

@@ -15,9 +15,9 @@ import dataclasses
 import queue
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,24 +32,9 @@ from .graphs import GraphRecord, GraphTable
 
 if TYPE_CHECKING:
     from safecompile.checks.snapshot import After, Snapshot
+    from safecompile.observe.telemetry import Telemetry
 
-__all__ = ["Figures", "Outcome", "ShadowRunner", "Sink", "drain"]
-
-
-class Sink(Protocol):
-    """Where events and shadow-check figures go (telemetry: traces, metrics, logs)."""
-
-    def event(self, event: Event) -> None: ...
-
-    def shadow_check(
-        self, *, passed: bool, max_abs: float, max_rel: float, bucket: str | None, log_span: bool
-    ) -> None: ...
-
-    def observe_calls(
-        self,
-        source: Callable[[], tuple[int, int]],
-        graphs: Callable[[], Mapping[str, int]] | None = None,
-    ) -> None: ...
+__all__ = ["Figures", "Outcome", "ShadowRunner", "drain"]
 
 
 @dataclass(slots=True)
@@ -95,7 +80,7 @@ class ShadowRunner:
         policy: Shadow | None,
         fn: Callable[..., Any],
         on_breach: Callable[[GraphRecord | None, str, float, float], None],
-        sink: Sink,
+        sink: Telemetry,
         record: Callable[[Event], None],
         clock: Callable[[], float],
     ) -> None:
