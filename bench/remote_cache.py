@@ -99,7 +99,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     stats = guarded.safecompile.stats()
     from safecompile.persist import remote as _remote
 
-    links = list(_remote._links.values())
+    links = _remote.links()
     out["redis_commands"] = sum(link.commands for link in links)
     out["redis_s"] = sum(link.seconds for link in links)
     out.update(

@@ -17,6 +17,7 @@ import pytest
 import structlog
 import torch
 
+from safecompile.base import torchcompat
 from safecompile.persist import cache as _cache
 from safecompile.persist.cache import (
     CallKey,
@@ -581,8 +582,8 @@ def test_cache_settings_are_thread_local_in_torch(clean_torch_env: pytest.Monkey
 
     seen: list[dict[str, object]] = []
     with config.patch(fx_graph_cache=False):
-        here = _cache.torch_cache_settings()
-        worker = threading.Thread(target=lambda: seen.append(_cache.torch_cache_settings()))
+        here = torchcompat.config_settings()
+        worker = threading.Thread(target=lambda: seen.append(torchcompat.config_settings()))
         worker.start()
         worker.join()
     assert here["fx_graph_cache"] is False

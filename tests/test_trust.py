@@ -665,7 +665,7 @@ def test_a_deeply_nested_verdict_file_is_ignored_not_raised(
 
 def test_a_deeply_nested_verdict_in_redis_is_ignored(remote_on: Any, tmp_path: Path) -> None:
     """Item 11 through the remote tier."""
-    verdicts = _remote.remote_verdicts()
+    verdicts = _remote.activate()
     assert verdicts is not None
     remote_on.hset(verdicts.name("ab" * 16), "", deep(200_000))
     with capture_logs() as logs:

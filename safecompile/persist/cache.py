@@ -36,7 +36,7 @@ from safecompile.base import torchcompat
 from safecompile.base.forks import in_forked_child
 
 from .bounded import bounded, read_file
-from .remote import RemoteVerdicts, remote_verdicts
+from .remote import RemoteVerdicts, activate
 from .signing import owner_problem, signer, warn_ignored, warn_once
 
 __all__ = [
@@ -49,7 +49,6 @@ __all__ = [
     "code_fingerprint",
     "environment",
     "signed_store",
-    "torch_cache_settings",
     "usable_root",
     "use_torch_caches",
 ]
@@ -279,7 +278,7 @@ class _CodeWalker:
             self.feed("ref", getattr(fn, "__module__", ""), getattr(fn, "__qualname__", ""))
             return
         self.feed("function", fn.__module__, fn.__qualname__)
-        self.code(fn.__code__)
+        self.code(fn.__code__, fn.__globals__)
         self.feed("defaults", _stable(fn.__defaults__), _stable(fn.__kwdefaults__))
         for cell in fn.__closure__ or ():
             try:
@@ -288,9 +287,6 @@ class _CodeWalker:
                 self.feed("cell", "empty")
                 continue
             self._reached(content)
-        for name in _global_names(fn.__code__):
-            if name in fn.__globals__:
-                self._reached(fn.__globals__[name])
         wrapped = getattr(fn, "__wrapped__", None)
         if wrapped is not None:
             self.value(wrapped)
@@ -304,7 +300,8 @@ class _CodeWalker:
         else:
             self.feed("value", _stable(obj))
 
-    def code(self, code: types.CodeType) -> None:
+    def code(self, code: types.CodeType, names: Mapping[str, Any]) -> None:
+        """``code``, its nested code and the globals (``names``) they read."""
         if not self._once(code):
             self.feed("ref", code.co_qualname)
             return
@@ -321,9 +318,12 @@ class _CodeWalker:
         )
         for const in code.co_consts:
             if isinstance(const, types.CodeType):
-                self.code(const)
+                self.code(const, names)
             else:
                 self.feed("const", _stable(const))
+        for name in code.co_names:
+            if name in names:
+                self._reached(names[name])
 
     def klass(self, cls: type) -> None:
         for k in cls.__mro__:
@@ -357,16 +357,6 @@ class _CodeWalker:
                 *sub.named_buffers(recurse=False),
             ):
                 self.feed("tensor", pname, _stable(tensor))
-
-
-def _global_names(code: types.CodeType) -> list[str]:
-    names: list[str] = []
-    stack = [code]
-    while stack:
-        c = stack.pop()
-        names.extend(c.co_names)
-        stack.extend(k for k in c.co_consts if isinstance(k, types.CodeType))
-    return list(dict.fromkeys(names))
 
 
 def _is_library(obj: object) -> bool:
@@ -468,7 +458,7 @@ class VerdictStore:
                 "SAFECOMPILE_CACHE_KEY_FILE): verdicts and torch's portable artifacts are "
                 "neither written nor read; torch's own on-disk caches still are",
             )
-        self.remote = remote_verdicts() if remote is _FROM_ENV else remote
+        self.remote = activate() if remote is _FROM_ENV else remote
 
     def path(self, key: str, scope: str = "") -> Path:
         """The file holding ``(key, scope)``."""
@@ -673,12 +663,3 @@ def _is_torch_default(directory: str) -> bool:
         user = re.sub(r'[\\/:*?"<>|]', "_", user)
         default = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
     return Path(directory).absolute() == Path(default).absolute()
-
-
-def torch_cache_settings() -> dict[str, object]:
-    """What the calling thread's torch config says about the caches (for reports;
-    thread-local: a worker sees the defaults where the main thread switched them off)."""
-    settings = torchcompat.config_settings()
-    return {"cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR")} | {
-        k: bool(v) for k, v in settings.items()
-    }

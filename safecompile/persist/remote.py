@@ -33,9 +33,9 @@ __all__ = [
     "RemoteVerdicts",
     "activate",
     "link_for",
+    "links",
     "parse_url",
     "redacted",
-    "remote_verdicts",
     "reset",
 ]
 
@@ -43,7 +43,7 @@ REMOTE_ENV_VAR = "SAFECOMPILE_REMOTE_CACHE"
 CONNECT_TIMEOUT_S = 0.25  # a Redis that is not there answers (or not) within this
 SOCKET_TIMEOUT_S = 0.5  # a Redis that hangs mid-command: per read, not per command
 RETRY_AFTER_S = 30.0  # after a failure, local only for this long, then try again
-VERDICT_TTL_S = 30 * 24 * 3600  # verdicts of an old stack (torch, code) age out
+VERDICT_TTL_S = 30 * 24 * 3600  # seconds: verdicts of an old stack (torch, code) age out
 VERDICT_PREFIX = "safecompile:v1:verdicts:"
 BLOB_PREFIX = "safecompile:v1:blobs:"
 _SCHEMES = ("redis", "rediss", "unix")
@@ -206,9 +206,8 @@ class RemoteVerdicts:
     """The local store's documents in Redis, a hash per key, a field per scope; each put
     refreshes the TTL (an old stack's verdicts age out). Redis down: "nothing"."""
 
-    def __init__(self, link: RedisLink, *, ttl: float = VERDICT_TTL_S) -> None:
+    def __init__(self, link: RedisLink) -> None:
         self.link = link
-        self.ttl = int(ttl)
 
     @staticmethod
     def name(key: str) -> str:
@@ -230,7 +229,7 @@ class RemoteVerdicts:
         def command(r: Any) -> bool:
             pipe = r.pipeline(transaction=True)
             pipe.hset(self.name(key), scope, document)
-            pipe.expire(self.name(key), self.ttl)
+            pipe.expire(self.name(key), VERDICT_TTL_S)
             pipe.execute()
             return True
 
@@ -244,7 +243,7 @@ class RemoteVerdicts:
     def put_blob(self, key: str, name: str, data: bytes) -> bool:
         """Store a (sealed) binary artifact next to ``key``'s verdicts; same TTL."""
         blob = f"{BLOB_PREFIX}{key}:{name}"
-        return bool(self.link.run_or(lambda r: r.set(blob, data, ex=self.ttl), False))
+        return bool(self.link.run_or(lambda r: r.set(blob, data, ex=VERDICT_TTL_S), False))
 
     def get_blob(self, key: str, name: str) -> bytes | None:
         """A blob :meth:`put_blob` stored, or ``None``."""
@@ -286,6 +285,12 @@ def link_for(url: str, purpose: str) -> RedisLink:
         return link
 
 
+def links() -> list[RedisLink]:
+    """Every link :func:`link_for` made (their counters, for benchmarks and reports)."""
+    with _lock:
+        return list(_links.values())
+
+
 def activate() -> RemoteVerdicts | None:
     """Read ``SAFECOMPILE_REMOTE_CACHE``; when set, switch torch's remote caches on over it
     (once per URL) and return the verdict tier; ``None``: local only. Never raises."""
@@ -299,9 +304,6 @@ def activate() -> RemoteVerdicts | None:
     except Exception as exc:  # a cache must never fail a decoration
         _warn_once(url, f"{type(exc).__name__}: {exc}")
         return None
-
-
-remote_verdicts = activate  # the verdict tier, for the store that asks for it
 
 
 def _first_activation(url: str) -> RemoteVerdicts | None:

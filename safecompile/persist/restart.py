@@ -56,9 +56,7 @@ class Persisted:
         """Whether ``SAFECOMPILE_CACHE_DIR`` was set when the callable was guarded."""
         return self._store is not None
 
-    def key(
-        self, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None
-    ) -> str | None:
+    def key(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
         """The artifact key, made at the first call (the device is the first tensor's)."""
         return self._key.get(args, kwargs) if self._store is not None else None
 
@@ -139,13 +137,9 @@ class Persisted:
                 raise ValueError(f"larger than {MAX_ARTIFACT_BYTES} bytes")
             assert signing is not None  # no key, no store
             blob = signing.unseal(_ARTIFACTS_PURPOSE, key, sealed)  # torch unpickles it
-        except (OSError, ValueError) as exc:
-            warn_ignored(path, f"not loaded: {type(exc).__name__}: {exc}")
-            return
-        try:
             torch.compiler.load_cache_artifacts(blob)
-        except Exception as exc:
-            warn_ignored(path, exc)
+        except Exception as exc:  # unreadable, unsigned, tampered, or torch's own failure
+            warn_ignored(path, f"not loaded: {type(exc).__name__}: {exc}")
 
     def save_artifacts(self, name: str) -> None:
         """After a warmup: save every artifact this process compiled or loaded so far."""
