@@ -21,8 +21,8 @@ class FrozenMap(Mapping[_K, _V]):
 
     __slots__ = ("_data", "_hash")
 
-    def __init__(self, items: Mapping[_K, _V] | None = None) -> None:
-        self._data: dict[_K, _V] = dict(items) if items is not None else {}
+    def __init__(self, items: Mapping[_K, _V]) -> None:
+        self._data: dict[_K, _V] = dict(items)
         self._hash: int | None = None
 
     def __getitem__(self, key: _K) -> _V:

@@ -256,14 +256,8 @@ def _ns(seconds: float) -> int:
 
 
 def _code_attributes(file: str | None, line: int | None, function: str | None) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    if file:
-        out["code.file.path"] = file
-    if line is not None:
-        out["code.line.number"] = int(line)
-    if function:
-        out["code.function.name"] = function
-    return out
+    named = {"code.file.path": file, "code.line.number": line, "code.function.name": function}
+    return {key: value for key, value in named.items() if value}  # lines count from 1
 
 
 class Telemetry:
