@@ -116,9 +116,7 @@ def _axis_dims(
     for dim, axis in value.items():
         if not _is_int(dim) or not isinstance(axis, str) or not axis.isidentifier():
             return None
-        if names is not None and axis not in names:
-            return None
-    return FrozenMap(value)
+    return FrozenMap(value) if names is None or set(value.values()) <= set(names) else None
 
 
 def _sizes_or_none(value: object) -> tuple[int, ...] | None:
@@ -447,9 +445,6 @@ def _argument_tuples(items: Iterable[object]) -> tuple[tuple[Any, ...], ...]:
 @dataclass(frozen=True, kw_only=True)
 class Shadow:
     """Compare compiled outputs with eager's on live traffic.
-
-    The first ``canary`` compiled calls of each graph are compared, then one call in
-    ``every``.
 
     :param canary: calls of each new graph compared with eager before it counts as passed.
     :param every: after the canary, one call in ``every`` is compared (0: none).

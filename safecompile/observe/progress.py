@@ -80,15 +80,10 @@ def watch_compile(
     on_still: Callable[[Compiling], None] | None = None,
     timer: Callable[[float, Callable[[], None]], _Timer] | None = None,
 ) -> Callable[[], None]:
-    """Start watching one compile; returns the function to call when it ends.
-
-    Still running :data:`SLOW_COMPILE_S` seconds after ``started`` (a
-    ``time.perf_counter()`` reading), ``on_slow`` is called once, on the timer's thread,
-    and every :func:`spinner` is told; then ``on_still``, if given, every
-    :data:`PLAIN_EVERY_S` seconds until the end, which cancels the timers (a terminal's
-    line is cleared before ``end()`` returns). ``timer(seconds, fn)`` makes the timers
-    (default: daemon ``threading.Timer``; tests pass ones they fire by hand).
-    """
+    """Watch one compile (``started``: its ``time.perf_counter()``): ``on_slow`` once
+    after :data:`SLOW_COMPILE_S`, then ``on_still`` every :data:`PLAIN_EVERY_S`, on the
+    timers' thread (``timer(seconds, fn)`` makes them; tests fire theirs by hand).
+    Returns the function that ends the watch."""
     make = timer if timer is not None else _daemon_timer
     lock = threading.Lock()
     state: dict[str, Any] = {"ended": False, "compiling": None}

@@ -114,11 +114,8 @@ def is_generated_file(filename: str) -> bool:
     parts = path.split(os.sep)
     if any(part.startswith("torchinductor_") or part == "torch_compile_debug" for part in parts):
         return True
-    for variable in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
-        directory = os.environ.get(variable)
-        if directory and _under(path, _norm(directory)):
-            return True
-    return False
+    caches = (os.environ.get(name) for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"))
+    return any(_under(path, _norm(directory)) for directory in caches if directory)
 
 
 def is_user_file(filename: str) -> bool:
