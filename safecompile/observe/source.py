@@ -290,21 +290,14 @@ def innermost_user_frame(stack: Iterable[Any]) -> SourceLocation | None:
 
 def _from_stack_text(text: str) -> SourceLocation | None:
     """The innermost user frame in formatted traceback text (an FX node's ``stack_trace``)."""
-    found: SourceLocation | None = None
-    for match in _FRAME_RE.finditer(text):
-        if is_user_file(match.group("file")):
-            found = SourceLocation(
-                match.group("file"),
-                int(match.group("line")),
-                _plain_function_name(match.group("func").strip()),
-            )
-    return found
+    return innermost_user_frame(
+        traceback.FrameSummary(m["file"], int(m["line"]), m["func"].strip(), lookup_line=False)
+        for m in _FRAME_RE.finditer(text)
+    )
 
 
 def _node_location(node: object) -> SourceLocation | None:
-    if not isinstance(node, torch.fx.Node):
-        return None
-    stack_trace = node.meta.get("stack_trace") if isinstance(node.meta, dict) else None
+    stack_trace = node.meta.get("stack_trace") if isinstance(node, torch.fx.Node) else None
     return _from_stack_text(stack_trace) if isinstance(stack_trace, str) else None
 
 
