@@ -60,15 +60,12 @@ _spinners_lock = threading.Lock()
 _spinners: list[_Spinner] = []  # every spinner() open now, process-wide
 
 
-def _tell_spinners(compiling: Compiling, *, done: bool) -> None:
+def _tell_spinners(tell: Callable[[_Spinner], None]) -> None:
     with _spinners_lock:
         spinners = list(_spinners)
     for shown in spinners:
         with contextlib.suppress(Exception):  # a broken terminal never breaks a compile
-            if done:
-                shown.clear()
-            else:
-                shown.slow(compiling)
+            tell(shown)
 
 
 def watch_compile(
@@ -110,7 +107,7 @@ def watch_compile(
             compiling = state["compiling"] = Compiling(function, graph, started)
             if on_still is not None:
                 schedule(PLAIN_EVERY_S, still)
-        _tell_spinners(compiling, done=False)
+        _tell_spinners(lambda shown: shown.slow(compiling))
         with contextlib.suppress(Exception):  # telemetry never breaks a compile
             on_slow(compiling)
 
@@ -123,7 +120,7 @@ def watch_compile(
             handle.cancel()
         if compiling is not None:
             compiling.done.set()
-            _tell_spinners(compiling, done=True)
+            _tell_spinners(_Spinner.clear)
 
     with lock:
         schedule(max(SLOW_COMPILE_S - (time.perf_counter() - started), 0.0), fire)
