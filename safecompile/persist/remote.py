@@ -298,8 +298,7 @@ def activate() -> RemoteVerdicts | None:
     if not url:
         return None
     try:
-        with _lock:
-            found = _active.get(url)
+        found = _active.get(url)  # one atomic read; _first_activation writes under the lock
         return found if found is not None else _first_activation(url)
     except Exception as exc:  # a cache must never fail a decoration
         _warn_once(url, f"{type(exc).__name__}: {exc}")
