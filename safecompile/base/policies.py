@@ -396,15 +396,12 @@ WarmupInputs = Sequence[tuple[Any, ...]] | Callable[[], Sequence[tuple[Any, ...]
 class Warmup:
     """Compile ahead of traffic on example inputs.
 
-    The ``background`` thread runs at a lower CPU priority, so live traffic keeps the CPU
-    first. On Linux ``nice`` applies to the worker thread only (and the compiler processes
-    it starts); elsewhere it is ignored (docs/speed.md, "Background warmup").
-
     :param inputs: a sequence of argument tuples, or a callable returning one (called
         when warmup runs, so large tensors need not live for the process's lifetime).
     :param background: compile on a worker thread while eager serves.
-    :param nice: the worker's CPU priority, 0-19 (19: the lowest); ``None`` or ``0``
-        leaves it at the caller's.
+    :param nice: the worker thread's CPU priority on Linux (and its compiler processes'),
+        0-19: 19, the lowest, lets live traffic keep the CPU first; ``None`` or ``0``
+        leaves it at the caller's (docs/speed.md, "Background warmup").
     """
 
     inputs: WarmupInputs

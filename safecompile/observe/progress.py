@@ -214,9 +214,6 @@ class _ClearingStream:
                 self.spinner.clear()
             return self.stream.write(text)
 
-    def flush(self) -> None:
-        self.stream.flush()
-
     def __getattr__(self, name: str) -> Any:
         return getattr(self.stream, name)
 
