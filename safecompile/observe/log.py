@@ -136,12 +136,8 @@ def readable_line(event: str, fields: Mapping[str, Any], limit: int = LINE_LIMIT
     reason = fields.get("reason")
     if isinstance(reason, str) and reason not in _IMPLIED_REASONS.get(kind, (kind,)):
         figures.append(reason)
-    labels = (
-        ("duration_s", "{} s"),
-        ("max_rel_diff", "max_rel={}"),
-        ("retry_in_s", "retry in {} s"),
-    )
-    for key, label in labels:
+    labels = {"duration_s": "{} s", "max_rel_diff": "max_rel={}", "retry_in_s": "retry in {} s"}
+    for key, label in labels.items():
         text = _figure(fields.get(key))
         if text is not None:
             figures.append(label.format(text))
