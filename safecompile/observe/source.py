@@ -437,22 +437,18 @@ def graph_breaks_of(
         out.append(_break(str(getattr(reason, "reason", "")), location))
     if not include_resumed:
         return out
-    seen: set[tuple[str, int]] = set()
+    resumed: dict[tuple[str, int], str] = {}  # (file, line) -> function, first seen
     for node in gm.graph.nodes:
         stack_trace = node.meta.get("stack_trace")
         if not isinstance(stack_trace, str) or "torch_dynamo_resume_in_" not in stack_trace:
             continue
         for match in _FRAME_RE.finditer(stack_trace):
-            resume = _RESUME_RE.match(match.group("func").strip())
-            if resume is None or not is_user_file(match.group("file")):
-                continue
-            key = (match.group("file"), int(resume.group("line")))
-            if key not in seen:
-                seen.add(key)
-                location = SourceLocation(
-                    key[0], key[1], _plain_function_name(resume.group("func"))
-                )
-                out.append(_break(_IMPLIED_BREAK_REASON, location))
+            resume = _RESUME_RE.match(match["func"].strip())
+            if resume is not None and is_user_file(match["file"]):
+                resumed.setdefault((match["file"], int(resume["line"])), resume["func"])
+    for (file, line), function in resumed.items():
+        location = SourceLocation(file, line, _plain_function_name(function))
+        out.append(_break(_IMPLIED_BREAK_REASON, location))
     return out
 
 
