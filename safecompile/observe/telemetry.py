@@ -93,13 +93,6 @@ def configure(
 # ---------------------------------------------------------------------------- instruments
 
 
-class _Global:
-    """The key of OpenTelemetry's global meter provider (weakly referenceable, as providers are)."""
-
-
-_GLOBAL = _Global()
-
-
 class _Instruments:
     """The metric instruments on one meter; one per meter provider, shared by callables."""
 
@@ -169,7 +162,7 @@ _by_provider: weakref.WeakKeyDictionary[object, _Instruments] = weakref.WeakKeyD
 
 
 def _instruments_of(provider: metrics.MeterProvider | None) -> _Instruments:
-    key = _GLOBAL if provider is None else provider
+    key = metrics if provider is None else provider  # the global provider's key: its module
     with _instruments_lock:
         found = _by_provider.get(key)
         if found is None:
