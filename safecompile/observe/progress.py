@@ -185,21 +185,6 @@ class _Spinner:
             while not _wait(compiling.done, every):
                 self._show(compiling)
 
-    @contextlib.contextmanager
-    def clearing_log_lines(self) -> Iterator[None]:
-        """Log handlers that write to a terminal clear the spinner's line first."""
-        wrapped = _terminal_handlers() if self.tty else []
-        for handler in wrapped:
-            with handler.lock or contextlib.nullcontext():
-                handler.stream = _ClearingStream(handler.stream, self)
-        try:
-            yield
-        finally:
-            for handler in wrapped:
-                with handler.lock or contextlib.nullcontext():
-                    if isinstance(handler.stream, _ClearingStream):
-                        handler.stream = handler.stream.stream
-
 
 class _ClearingStream:
     """A log handler's terminal stream that clears the spinner's line before each write."""
@@ -239,10 +224,17 @@ def spinner(stream: TextIO | None = None) -> Iterator[None]:
     shown = _Spinner(sys.stderr if stream is None else stream)
     with _spinners_lock:
         _spinners.append(shown)
+    wrapped = _terminal_handlers() if shown.tty else []  # their lines clear ours first
     try:
-        with shown.clearing_log_lines():
-            yield
+        for handler in wrapped:
+            with handler.lock or contextlib.nullcontext():
+                handler.stream = _ClearingStream(handler.stream, shown)
+        yield
     finally:
+        for handler in wrapped:
+            with handler.lock or contextlib.nullcontext():
+                if isinstance(handler.stream, _ClearingStream):
+                    handler.stream = handler.stream.stream
         with _spinners_lock:
             _spinners.remove(shown)
         with shown.lock:
