@@ -123,15 +123,12 @@ def eager_backward() -> contextlib.AbstractContextManager[Any] | Missing:
     checked: 2.13.0 (absent in 2.9.1)"""
     config = lookup("torch._functorch.config")
     entries = getattr(config, "_config", None)
-    if config is None or entries is None or "force_non_lazy_backward_lowering" not in entries:
+    if entries is None or "force_non_lazy_backward_lowering" not in entries:
         return Missing(
             "torch._functorch.config.force_non_lazy_backward_lowering",
             "a backward graph compiles at .backward(), unguarded",
         )
-    patched: contextlib.AbstractContextManager[Any] = config.patch(
-        force_non_lazy_backward_lowering=True
-    )
-    return patched
+    return config.patch(force_non_lazy_backward_lowering=True)  # type: ignore[no-any-return]
 
 
 def per_function_limit(limit: int) -> dict[str, Any] | Missing:

@@ -133,10 +133,9 @@ def explain(error: BaseException, location: SourceLocation | None = None) -> Exp
             f"a graph break{where}: {what}; fullgraph=True allows none: move it out or use "
             "fullgraph=False",
         )
+    headline = _headline(error)
     if "BackendCompilerFailed" in names:
-        headline = _headline(error)
         backend = getattr(error, "backend_name", None)
         by = f"backend {backend!r}" if isinstance(backend, str) else "the backend"
         return _make("backend_error", headline, f"{by} failed to compile{where}: {headline}")
-    headline = _headline(error)
-    return _make("error", headline, f"{headline}{where}" if where else headline)
+    return _make("error", headline, headline + where)
