@@ -37,11 +37,6 @@ def check_group(group: object) -> None:
     is resolved at the first safe point (decorators run before ``init_process_group``)."""
     if group is None:
         return
-    if group is False:
-        raise ConfigError(
-            "safe_compile(group=False) is not an option: leave it out (None) for no agreement, "
-            "True for the default process group, or pass a ProcessGroup"
-        )
     dist = _dist()
     if dist is None:
         raise ConfigError(

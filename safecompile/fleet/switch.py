@@ -19,7 +19,7 @@ from safecompile.base import killswitch as ks
 from safecompile.base.forks import in_forked_child
 from safecompile.observe.log import Once, log_event
 from safecompile.persist.bounded import read_file
-from safecompile.persist.remote import RedisLink, RemoteUnavailableError, parse_url, redacted
+from safecompile.persist.remote import RedisLink, parse_url, redacted
 
 __all__ = ["SOURCE_ENV_VAR", "WATCHER", "Watcher", "open_source", "rule_of", "watch"]
 
@@ -32,10 +32,6 @@ DEFAULT_KEY = "safecompile:disable"
 MAX_BYTES = 64 * 1024
 
 
-class SourceError(Exception):
-    """The watched source could not be read this time (the last value is kept)."""
-
-
 class FileSource:
     """A file's text (missing: ``None``)."""
 
@@ -44,10 +40,7 @@ class FileSource:
         self.label = f"file://{path}"
 
     def read(self) -> str | None:
-        try:
-            data = read_file(self.path, limit=MAX_BYTES)
-        except OSError as exc:  # unreadable, not a regular file (a FIFO), a hung mount
-            raise SourceError(f"{type(exc).__name__}: {exc}") from None
+        data = read_file(self.path, limit=MAX_BYTES)  # bounded: a FIFO, a hung mount
         return None if data is None else _decoded(data)
 
 
@@ -60,24 +53,18 @@ class RedisKeySource:
         self.label = f"{redacted(url)}#{key}"
 
     def read(self) -> str | None:
-        try:
-            value = self.link.run(lambda r: r.get(self.key))
-        except RemoteUnavailableError as exc:
-            raise SourceError(str(exc) or "Redis unavailable") from None
+        value = self.link.run(lambda r: r.get(self.key))  # RemoteUnavailableError: Redis down
         if value is None:
             return None
         if not isinstance(value, bytes):
-            raise SourceError(f"not a string value: {type(value).__name__}")
+            raise TypeError(f"not a string value: {type(value).__name__}")
         return _decoded(value)
 
 
 def _decoded(data: bytes) -> str:
     if len(data) > MAX_BYTES:
-        raise SourceError(f"larger than {MAX_BYTES} bytes")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise SourceError(f"not UTF-8: {exc}") from None
+        raise ValueError(f"larger than {MAX_BYTES} bytes")
+    return data.decode("utf-8")  # UnicodeDecodeError: not UTF-8
 
 
 def open_source(spec: str) -> FileSource | RedisKeySource:
@@ -161,8 +148,8 @@ class Watcher:
             return  # an invalid spec: keep what was in force
         try:
             text = self._source.read()
-        except SourceError as exc:
-            self._failed(self._source.label, str(exc))
+        except Exception as exc:  # unreadable, too large, not UTF-8, Redis down: keep the last
+            self._failed(self._source.label, f"{type(exc).__name__}: {exc}")
             return
         if self._failing is not None:
             self._failing = None

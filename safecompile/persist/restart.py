@@ -170,8 +170,7 @@ class Persisted:
     def forget(self) -> None:
         """``reset()``: drop this key's bucket verdicts and artifacts, learn afresh."""
         key = self._key.value
-        with self._lock:
-            self._artifacts_checked = False
+        self._artifacts_checked = False  # a single store needs no lock
         if self._store is None or key is None:
             return
         self._store.clear(key)  # this key is ours alone (KnownFailures' has no buckets)
