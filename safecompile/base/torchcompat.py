@@ -263,13 +263,13 @@ def precompiled_rewrapped(
     loaded: Any, wrap: Callable[[Callable[..., Any]], Callable[..., Any]]
 ) -> Any:
     """A function ``torch.compiler.load_compiled_function`` returned, its compiled graph
-    replaced by ``wrap(graph)``. checked: 2.13.0 (``AOTCompiledFunction``, a dataclass whose
-    code calls ``_artifacts.compiled_fn``; ``__post_init__`` rebuilds a ``None`` guard_manager)."""
+    replaced by ``wrap(graph)``; its guards are kept (they read the call's arguments, not
+    the graph: rebuilt, they were built twice a load). checked: 2.13.0
+    (``AOTCompiledFunction``, a dataclass whose code calls ``_artifacts.compiled_fn``)."""
     artifacts = getattr(loaded, "_artifacts", None)
     if artifacts is None:
         return Missing("AOTCompiledFunction._artifacts", "precompiled graphs are not loaded")
-    graph = wrap(artifacts.compiled_fn)
-    rebuilt = dataclasses.replace(artifacts, compiled_fn=graph, guard_manager=None)
+    rebuilt = dataclasses.replace(artifacts, compiled_fn=wrap(artifacts.compiled_fn))
     return dataclasses.replace(loaded, _artifacts=rebuilt)
 
 
