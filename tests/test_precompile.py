@@ -22,8 +22,12 @@ from structlog.testing import capture_logs
 from torch._dynamo.utils import counters
 
 from safecompile import Shadow, State, Warmup, safe_compile
+from safecompile.base import torchcompat
+from safecompile.guard import _precompile
+from safecompile.guard._precompile import ISA_SCOPE, IsaChecks, _isa_key
 from safecompile.guard.graphs import GuardBackend
 from safecompile.persist import remote as _remote
+from safecompile.persist.cache import VerdictStore
 from safecompile.persist.remote import REMOTE_ENV_VAR
 
 REPO = Path(__file__).resolve().parents[1]
@@ -206,6 +210,65 @@ def test_a_replica_loads_what_another_saved_through_the_remote_tier(
         _remote.reset()
 
 
+def test_isa_checks_that_passed_are_kept_signed_and_answered_without_running(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A check that passed is answered in the next process; a failed one, another torch or
+    CPU, or a tampered record runs the check again."""
+    monkeypatch.setattr(torchcompat, "route_vec_isa_checks", lambda answer: None)
+    store = VerdictStore(cache_dir)
+    ran: list[bool] = []
+
+    def check(result: bool) -> Any:
+        return lambda: ran.append(result) or result
+
+    def restarted() -> IsaChecks:
+        checks = IsaChecks()
+        checks.route(store)
+        ran.clear()
+        return checks
+
+    first = restarted()
+    assert first.answer("passed", check(True))
+    assert not first.answer("failed", check(False))
+    first.save(store)
+    second = restarted()
+    assert second.answer("passed", check(True))
+    assert not second.answer("failed", check(False))
+    assert ran == [False]
+    record = store.path(_isa_key(), ISA_SCOPE)
+    doc = json.loads(record.read_text())
+    doc["verdict"]["details"]["passed"].append("forged")
+    record.write_text(json.dumps(doc))
+    restarted().answer("forged", check(True))
+    assert ran == [True]
+    monkeypatch.setattr(_precompile, "environment", lambda device: {"torch": "9.9.9"})
+    restarted().answer("passed", check(True))
+    assert ran == [True]
+
+
+def test_inductor_asks_its_isa_checks_with_its_own_key(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch._inductor import cpu_vec_isa
+    from torch._inductor.codecache import write
+
+    built: list[str] = []
+    monkeypatch.setattr(cpu_vec_isa.VecISA, "check_build", lambda self, code: built.append(code))
+    asked: list[str] = []
+
+    def answer(key: str, check: Any) -> bool:
+        asked.append(key)
+        return key == "never"  # without running torch's check
+
+    assert torchcompat.route_vec_isa_checks(answer) is None
+    isa = cpu_vec_isa.VecAVX2()
+    assert isa.check_build("int f() { return 1; }") is False
+    fingerprint = cpu_vec_isa._get_isa_dry_compile_fingerprint(isa.build_arch_flags())
+    assert asked == [write("int f() { return 1; }", "cpp", extra=fingerprint)[0]]
+    assert built == []
+
+
 CHILD = """
 import copy, json, sys
 sys.path[:0] = [{here!r}, {repo!r}]
@@ -213,6 +276,11 @@ import torch
 from torch._dynamo.utils import counters
 import usercode
 from safecompile import Warmup, safe_compile
+from torch._inductor import cpu_vec_isa
+
+probes = []  # inductor's vector-ISA probes run in this process
+probe = cpu_vec_isa.VecISA._probe_load
+cpu_vec_isa.VecISA._probe_load = lambda self, path: probes.append(path) or probe(self, path)
 
 m = usercode.Net().eval()
 with torch.no_grad():
@@ -223,7 +291,7 @@ torch.testing.assert_close(g(usercode.X), ref(usercode.X))
 stats = g.safecompile.stats()
 print(json.dumps({{"frames": counters["frames"]["total"], "graphs": stats.graphs,
                   "compiled_calls": stats.compiled_calls, "checks": stats.shadow_checks,
-                  "state": g.safecompile.state.value}}))
+                  "state": g.safecompile.state.value, "probes": len(probes)}}))
 """
 
 USERCODE = """
@@ -271,6 +339,8 @@ def test_a_new_process_loads_inductor_graphs_without_tracing(tmp_path: Path) -> 
     assert cold["frames"] > 0
     warm = run(3.0)
     assert warm["frames"] == 0
+    assert cold["probes"] > 0
+    assert warm["probes"] == 0
     assert (warm["graphs"], warm["compiled_calls"]) == (1, 1)
     assert warm["checks"] == 2  # the warmup call and the first live call, both passed
     assert warm["state"] == "canary"

@@ -65,6 +65,7 @@ __all__ = [
     "pytree",
     "remote_cache_classes",
     "reset_code",
+    "route_vec_isa_checks",
     "side_effects",
     "source_value",
     "undisabled",
@@ -475,3 +476,30 @@ def remote_cache_classes() -> tuple[Any, Any] | Missing:
             "torch's own compile caches are not shared over Redis",
         )
     return redis_cache, backend
+
+
+IsaAnswer = Callable[[str, Callable[[], bool]], bool]
+
+
+def route_vec_isa_checks(answer: IsaAnswer) -> Missing | None:
+    """Send inductor's vector-ISA build checks through ``answer(key, check)``, once per
+    process: ``key`` is torch's own key for the check (the check program, the compiler's
+    version, the ISA flags, the torch version), ``check()`` runs torch's check. The CPU's
+    flags are read by torch before any check is asked. checked: 2.13.0 (``VecISA.check_build``
+    keyed as it keys its build)."""
+    isa = lookup("torch._inductor.cpu_vec_isa.VecISA")
+    fingerprint = lookup("torch._inductor.cpu_vec_isa._get_isa_dry_compile_fingerprint")
+    write = lookup("torch._inductor.codecache.write")
+    if isa is None or fingerprint is None or write is None:
+        return Missing("torch._inductor.cpu_vec_isa.VecISA", "inductor probes its ISAs again")
+    checked = isa.check_build
+    if getattr(checked, "_safecompile_routed", False):
+        return None
+
+    def check_build(self: Any, code: str) -> bool:
+        key, _ = write(code, "cpp", extra=fingerprint(self.build_arch_flags()))
+        return answer(key, lambda: checked(self, code))
+
+    check_build._safecompile_routed = True  # type: ignore[attr-defined]
+    isa.check_build = check_build
+    return None

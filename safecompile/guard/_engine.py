@@ -156,7 +156,10 @@ class Engine:
         self.failures = KnownFailures(target, opts.verdict_key(checks=False))
         self.persisted = Persisted(target, opts.verdict_key(checks=True))
         top = own_frame(fn)  # as _compile compiles it
-        self.precompiled = Precompiled(self.persisted, top, target, compiler, opts.dynamic)
+        inductor = opts.backend_label == "inductor"
+        self.precompiled = Precompiled(
+            self.persisted, top, target, compiler, opts.dynamic, inductor
+        )
         self.shadow = ShadowRunner(
             policy=opts.shadow,
             fn=fn,

@@ -5,6 +5,7 @@ After a warmup that passed, each warm signature is compiled once more with
 under ``SAFECOMPILE_CACHE_DIR`` and in the remote tier. A new process loads them before its
 first compile and runs a call that passes one's guards through it, wrapped like a traced
 graph; anything else takes today's path, with one ``safecompile.precompiled`` event.
+Inductor's vector-ISA checks that passed are kept the same way, so a restart skips them.
 """
 
 from __future__ import annotations
@@ -12,7 +13,10 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
+import json
 import logging
+import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +27,13 @@ import torch
 from safecompile.base import torchcompat
 from safecompile.observe.log import Once, log_event, torch_missing
 from safecompile.persist.bounded import read_file
-from safecompile.persist.cache import Verdict, _write_atomic, signed_store
+from safecompile.persist.cache import (
+    Verdict,
+    VerdictStore,
+    _write_atomic,
+    environment,
+    signed_store,
+)
 from safecompile.persist.restart import Persisted
 from safecompile.shapes.table import BucketStatus, BucketTable
 
@@ -39,6 +49,7 @@ READ_TIMEOUT_S = 30.0
 # other guard on a global reads its value.
 _IDENTITY = frozenset(["BUILTIN", "CLASS", "CLOSURE", "FUNCTION", "ID", "MODULE"])
 _TORCH_GLOBAL = "G['__import_torch"  # torch's own modules: part of the torch version
+ISA_SCOPE = "torch._inductor.cpu_vec_isa"  # the vector-ISA checks passed on this machine
 
 Args = tuple[tuple[Any, ...], dict[str, Any]]  # a call's positional and keyword arguments
 Adopt = Callable[[Callable[..., Any], GraphFacts], Callable[..., Any]]
@@ -54,6 +65,7 @@ class Precompiled:
         target: Callable[..., Any],
         compiler: Callable[..., Any],
         dynamic: bool | None,
+        inductor: bool,
     ) -> None:
         root, store = signed_store()
         self._store = store
@@ -65,6 +77,7 @@ class Precompiled:
         self._external = {"target": target}  # the live module or function, never pickled
         self._compiler = compiler
         self._dynamic = dynamic
+        self._inductor = inductor
         self._lock = threading.Lock()
         self._looked = False
         self._loaded: tuple[Any, ...] = ()
@@ -109,6 +122,7 @@ class Precompiled:
             graphs = list(self._saved.values())
             verdict = Verdict(kind=PURPOSE, time=time.time(), name=name, details={"graphs": graphs})
             store.put(key, verdict, SCOPE)
+        ISA_CHECKS.save(store)
 
     def _save_one(self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         facts: list[GraphFacts] = []
@@ -161,6 +175,8 @@ class Precompiled:
             if self._looked or self._store is None or self._dir is None:
                 return
             self._looked = True
+        if self._inductor:
+            ISA_CHECKS.route(self._store)
         key = self._key = self._persisted.key(args, kwargs)
         verdict = self._store.get(key, SCOPE) if key is not None else None
         if key is None or verdict is None:
@@ -211,6 +227,64 @@ class Precompiled:
     def _event(self, outcome: str, reason: str, level: int) -> None:  # once per outcome
         if self._said.first(outcome):
             log_event("safecompile.precompiled", level=level, outcome=outcome, reason=reason)
+
+
+class IsaChecks:
+    """Inductor's vector-ISA checks (each builds a C++ program and loads it in a new Python:
+    ten a process, ~3 s here) answered from those passed in an earlier process of the same
+    torch, Python and CPU, kept signed. torch still reads the CPU's flags itself before it
+    asks a check, and a check not passed before runs: no saved answer claims an instruction."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._routed = False
+        self._passed: set[str] = set()  # torch's keys of the checks passed
+        self._unsaved = False
+
+    def route(self, store: VerdictStore) -> None:
+        """Once per process, before inductor's first check: read what passed before."""
+        with self._lock:
+            if self._routed:
+                return
+            self._routed = True
+        verdict = store.get(_isa_key(), ISA_SCOPE)
+        passed = verdict.details.get("passed", []) if verdict is not None else []
+        with self._lock:
+            self._passed.update(k for k in passed if isinstance(k, str))
+        missing = torchcompat.route_vec_isa_checks(self.answer)
+        if isinstance(missing, torchcompat.Missing):
+            torch_missing(missing)
+
+    def answer(self, key: str, check: Callable[[], bool]) -> bool:
+        if key in self._passed:
+            return True
+        if not check():
+            return False  # not kept: a failure may be passing (a probe timed out)
+        with self._lock:
+            self._passed.add(key)
+            self._unsaved = True
+        return True
+
+    def save(self, store: VerdictStore) -> None:
+        with self._lock:
+            if not self._unsaved:
+                return
+            self._unsaved = False
+            passed = sorted(self._passed)
+        verdict = Verdict(kind="vec_isa_checks", time=time.time(), details={"passed": passed})
+        store.put(_isa_key(), verdict, ISA_SCOPE)
+
+
+ISA_CHECKS = IsaChecks()
+
+
+def _isa_key() -> str:
+    """What a check's result depends on besides torch's key for it (which holds the
+    compiler's version, the flags and the torch version): this torch build, its library
+    directory, this Python, the CPU."""
+    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
+    facts = environment("cpu") | {"torch.lib": lib, "python.executable": sys.executable}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
 
 
 def _as_compiled(call: Args, buckets: BucketTable | None) -> Args | None:
