@@ -390,14 +390,11 @@ def location_of_error(exc: BaseException, fn: object) -> tuple[SourceLocation | 
     """Where in the user's source ``exc`` happened (else where ``fn`` is defined), and
     the generated file on the failing stack, if any."""
     for link in exception_chain(exc):
-        real_stack = getattr(link, "real_stack", None)  # dynamo errors
-        if real_stack:
-            found = innermost_user_frame(real_stack)
-            if found is not None:
-                return found, None
+        # A dynamo error: the innermost user frame of its real stack, else its summary's.
         summary = getattr(link, "innermost_user_frame_summary", None)
-        if isinstance(summary, traceback.FrameSummary) and is_user_file(summary.filename):
-            return _from_summary(summary), None
+        found = innermost_user_frame([summary, *(getattr(link, "real_stack", None) or ())])
+        if found is not None:
+            return found, None
         inner = getattr(link, "inner_exception", None)
         if isinstance(inner, BaseException):  # BackendCompilerFailed / InductorError
             return _backend_location(inner) or location_of_function(fn), None
