@@ -469,6 +469,8 @@ def _break_attributes(entry: object) -> dict[str, Any]:
 
 
 _SCALARS = (str, int, float, bool)
+# Longest ``error_message`` log field: torch's headline; its whole text is on the span.
+_ERROR_HEADLINE_LIMIT = 160
 
 
 def _rounded(value: Any) -> Any:
@@ -501,18 +503,9 @@ def _log_fields(telemetry: Telemetry, ev: Event) -> dict[str, Any]:
             fields["graph_break_lines"] = [
                 f"{b.get('file')}:{b.get('line')}" for b in value if isinstance(b, Mapping)
             ][:32]
-        elif key == "error_message" and isinstance(value, str):
-            fields[key] = _headline(value)
+        elif key == "error_message" and isinstance(value, str):  # its first non-empty line
+            first = next((line.strip() for line in value.splitlines() if line.strip()), "")
+            fields[key] = safe_message(first, limit=_ERROR_HEADLINE_LIMIT)
         elif key not in fields and isinstance(value, _SCALARS):
             fields[key] = safe_message(value) if isinstance(value, str) else _rounded(value)
     return fields
-
-
-# Longest ``error_message`` log field: torch's headline; its whole text is on the span.
-_ERROR_HEADLINE_LIMIT = 160
-
-
-def _headline(text: str) -> str:
-    """torch's message as a log field: its first non-empty line, bounded."""
-    first = next((line.strip() for line in text.splitlines() if line.strip()), "")
-    return safe_message(first, limit=_ERROR_HEADLINE_LIMIT)
