@@ -214,10 +214,9 @@ def location_of_function(fn: object) -> SourceLocation | None:
 def error_type_name(exc: BaseException) -> str:
     """The exception's qualified type name: ``torch._dynamo.exc.Unsupported``, ``ValueError``."""
     cls = type(exc)
-    module = cls.__module__
-    if module in ("builtins", "__builtin__", None):
+    if cls.__module__ == "builtins":
         return cls.__qualname__
-    return f"{module}.{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}"
 
 
 def truncate(text: str, limit: int = MESSAGE_LIMIT) -> str:
@@ -373,8 +372,7 @@ def _runtime_location(exc: BaseException) -> tuple[SourceLocation | None, str | 
         for frame, lineno in reversed(candidates):
             filename = frame.f_code.co_filename
             if is_generated_file(filename):
-                if generated is None:
-                    generated = filename
+                generated = generated or filename  # the innermost generated file
                 node = _graph_module_node(frame, lineno)
                 if node is not None:
                     return node, generated
