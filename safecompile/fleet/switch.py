@@ -128,8 +128,9 @@ class Watcher:
         with self._poll_lock:
             try:
                 self._poll()
-            except Exception as exc:  # the watcher must outlive anything
-                self._failed(redacted(self._spec or ""), f"{type(exc).__name__}: {exc}")
+            except Exception as exc:  # unreadable, too large, not UTF-8, Redis down: keep the last
+                source = self._source.label if self._source else redacted(self._spec or "")
+                self._failed(source, f"{type(exc).__name__}: {exc}")
             return ks.SWITCH.watched
 
     def _poll(self) -> None:
@@ -146,11 +147,7 @@ class Watcher:
             return
         if self._source is None:
             return  # an invalid spec: keep what was in force
-        try:
-            text = self._source.read()
-        except Exception as exc:  # unreadable, too large, not UTF-8, Redis down: keep the last
-            self._failed(self._source.label, f"{type(exc).__name__}: {exc}")
-            return
+        text = self._source.read()
         if self._failing is not None:
             self._failing = None
             log_event("safecompile.disable_source_restored", source=self._source.label)

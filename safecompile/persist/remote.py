@@ -129,11 +129,16 @@ class RedisLink:
 
     def run(self, command: Callable[[Any], T]) -> T:
         """``command(client)``; :class:`RemoteUnavailableError` instead of any failure."""
-        client = self._client_now()
+        until = self._down_until
+        if until is not None and self._clock() < until:
+            raise RemoteUnavailableError(f"{self.purpose}: backing off after a failure")
         started = time.perf_counter()
         try:
+            client = self._client
+            if client is None:  # cheap (it connects at its first command): a race builds two
+                client = self._client = self._build()
             result = command(client)
-        except Exception as exc:
+        except Exception as exc:  # redis-py missing, a bad URL option, down, timed out
             self._failed(f"{type(exc).__name__}: {exc}")
             raise RemoteUnavailableError(str(exc)) from None
         finally:
@@ -155,36 +160,23 @@ class RedisLink:
         except RemoteUnavailableError:
             return failed
 
-    def _client_now(self) -> Any:
-        until = self._down_until
-        if until is not None and self._clock() < until:
-            raise RemoteUnavailableError(f"{self.purpose}: backing off after a failure")
-        client = self._client
-        if client is None:  # lazy and cheap (it connects at its first command): a race keeps one
-            client = self._client = self._build()
-        return client
-
     def _after_fork(self) -> None:  # no lock held by a thread that did not fork, no sockets
         self._lock = threading.Lock()
         self._client = None
 
     def _build(self) -> Any:
         redis = _import_redis()
-        try:
-            if redis is None:
-                raise ImportError("redis-py is not installed (pip install 'safecompile[redis]')")
-            options: dict[str, Any] = {
-                "socket_timeout": SOCKET_TIMEOUT_S,
-                "retry": redis.retry.Retry(redis.backoff.NoBackoff(), 0),
-                "health_check_interval": 0,
-            }
-            if not self.url.startswith("unix://"):
-                options["socket_connect_timeout"] = CONNECT_TIMEOUT_S
-            # options in the URL's query (?socket_timeout=2) win over ours
-            return redis.Redis.from_url(self.url, **options)
-        except Exception as exc:
-            self._failed(f"{type(exc).__name__}: {exc}")
-            raise RemoteUnavailableError(str(exc)) from None
+        if redis is None:
+            raise ImportError("redis-py is not installed (pip install 'safecompile[redis]')")
+        options: dict[str, Any] = {
+            "socket_timeout": SOCKET_TIMEOUT_S,
+            "retry": redis.retry.Retry(redis.backoff.NoBackoff(), 0),
+            "health_check_interval": 0,
+        }
+        if not self.url.startswith("unix://"):
+            options["socket_connect_timeout"] = CONNECT_TIMEOUT_S
+        # options in the URL's query (?socket_timeout=2) win over ours
+        return redis.Redis.from_url(self.url, **options)
 
     def _failed(self, reason: str) -> None:
         with self._lock:
