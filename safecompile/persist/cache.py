@@ -173,26 +173,14 @@ def _device_info(device: str | torch.device) -> dict[str, str]:
 
 
 def artifact_key(
-    fn: Callable[..., Any],
-    *,
-    backend: str,
-    mode: str | None = None,
-    options: Mapping[str, Any] | None = None,
-    dynamic: bool | None = None,
-    device: str | torch.device = "cpu",
-    extra: Mapping[str, Any] | None = None,
+    fn: Callable[..., Any], *, device: str | torch.device = "cpu", **compile: Any
 ) -> str:
-    """A hex hash of what makes ``fn``'s artifacts stale: environment, code, compile options."""
+    """A hex hash of what makes ``fn``'s artifacts stale: environment, code, and the compile
+    options given (``backend=``, ``mode=``, ...; one set to ``None`` counts as not given)."""
     parts = {
         "environment": environment(device),
         "code": code_fingerprint(fn),
-        "compile": {
-            "backend": backend,
-            "mode": mode,
-            "options": _stable(options),
-            "dynamic": dynamic,
-            "extra": _stable(extra),
-        },
+        "compile": {name: _stable(value) for name, value in compile.items() if value is not None},
     }
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:_KEY_CHARS]
