@@ -1,10 +1,11 @@
 """The speed verdict: is the compiled path slower than eager, for the call the user makes?
 
 It pairs live calls of a group, one on the whole compiled path, one on the original
-function (a *probe*: its caller gets eager's values, side effects and gradients), and
-reads the sign test's distribution-free interval for the median ``compiled / eager`` at
-few looks per round, with a bounded share of probes and a backoff between rounds (the
-rules and their error rates: docs/speed.md). Pure: the caller times, with :func:`call_clock`.
+function (a *probe*: its caller gets eager's values, side effects and gradients), and reads
+the sign test's intervals for the median ``compiled / eager`` of runs of pairs (the time of
+the traffic) and of single pairs (the median call) at few looks per round, with a bounded
+share of probes and a backoff between rounds (the rules and their error rates:
+docs/speed.md). Pure: the caller times, with :func:`call_clock`.
 """
 
 from __future__ import annotations
@@ -84,53 +85,74 @@ def median_interval(
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """What a round's pairs say: ``eager`` True (eager wins), False (compiled stays) or None
-    (undecided); the median ``compiled / eager``, its interval, the pairs read."""
+    """A round's verdict: ``eager`` True (eager wins), False (compiled stays) or None; the
+    median summed ``compiled / eager`` of 16 runs of pairs, its interval, pairs, median pair."""
 
     eager: bool | None
     ratio: float
     low: float
     high: float
     pairs: int
+    median: float
 
     def to_dict(self) -> dict[str, Any]:
         verdict = None if self.eager is None else ("eager" if self.eager else "compiled")
         figures = {name: _round(getattr(self, name)) for name in ("ratio", "low", "high")}
-        return {"verdict": verdict, **figures, "pairs": self.pairs}
+        return {"verdict": verdict, **figures, "pairs": self.pairs, "median": _round(self.median)}
 
 
 def ratios(pairs: Sequence[tuple[float, float]]) -> list[float]:
     """``compiled / eager`` of each valid pair (a negative or non-finite time is dropped;
     eager at zero reads as infinitely faster, both at zero as equal)."""
-    out = []
-    for compiled, eager in pairs:
-        if not (math.isfinite(compiled) and math.isfinite(eager)) or min(compiled, eager) < 0:
-            continue
-        if eager == 0:
-            out.append(1.0 if compiled == 0 else math.inf)
-        else:
-            out.append(compiled / eager)
-    return out
+    return [c / e if e else (1.0 if c == 0 else math.inf) for c, e in _valid(pairs)]
+
+
+def _valid(pairs: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    return [p for p in pairs if all(math.isfinite(t) and t >= 0 for t in p)]
+
+
+def runs(pairs: Sequence[tuple[float, float]], count: int) -> list[tuple[float, float]]:
+    """The pairs cut into ``count`` runs of consecutive pairs, near-equal in length (one
+    pair each when there are fewer), each run's two times summed."""
+    n, count = len(pairs), min(count, len(pairs))
+    cut = (pairs[i * n // count : (i + 1) * n // count] for i in range(count))
+    return [(math.fsum(c for c, _ in run), math.fsum(e for _, e in run)) for run in cut]
 
 
 def decide(
     pairs: Sequence[tuple[float, float]], policy: SpeedPolicy, *, current_eager: bool = False
 ) -> Decision:
     """The verdict of a round's ``(compiled_s, eager_s)`` pairs (see the module doc)."""
-    found = ratios(pairs)
+    valid = _valid(pairs)
+    found = ratios(valid)
     n = len(found)
-    low, middle, high = median_interval(found, policy.confidence)
-    verdict: bool | None = None
+    low, middle, high = median_interval(ratios(runs(valid, 16)), policy.confidence)
+    median = statistics.median(found) if found else math.nan
     multiple, rest = divmod(n, policy.min_pairs)  # looks: min_pairs, its doublings, max_pairs
-    if n >= policy.max_pairs or (multiple > 0 and rest == 0 and multiple & (multiple - 1) == 0):
-        if low > policy.ratio:
-            verdict = True
-        elif high <= policy.ratio:
-            verdict = False
-        elif n >= policy.max_pairs:
-            # the last read: the median decides, but no rollback unless eager is faster at all
-            verdict = current_eager or (middle > policy.ratio and low > 1.0)
-    return Decision(verdict, middle, low, high, n)
+    if n < policy.max_pairs and not (multiple > 0 and rest == 0 and multiple & (multiple - 1) == 0):
+        return Decision(None, middle, low, high, n, median)
+    last = n >= policy.max_pairs
+    by_time = _read((low, middle, high), policy, last)
+    by_call = _read(median_interval(found, policy.confidence), policy, last)
+    # either may roll back, unless runs of 8 pairs say compiled is not slower at all
+    slower = statistics.median(ratios(runs(valid, max(1, n // 8)))) > 1.0
+    verdict: bool | None = None
+    if ((by_time or by_call) and slower) or (last and current_eager):
+        verdict = True
+    elif last or (by_time is False and by_call is False):
+        verdict = False
+    return Decision(verdict, middle, low, high, n, median)
+
+
+def _read(interval: tuple[float, float, float], policy: SpeedPolicy, last: bool) -> bool | None:
+    low, middle, high = interval  # one interval's verdict: the table in docs/speed.md
+    if low > policy.ratio:
+        return True
+    if high <= policy.ratio:
+        return False
+    if last:  # the median decides, but no rollback unless eager is faster at all
+        return middle > policy.ratio and low > 1.0
+    return None
 
 
 class Step(enum.Enum):
@@ -239,11 +261,10 @@ class CallSpeed:
                     pair = (seconds, half.seconds) if half.eager else (half.seconds, seconds)
                     self._pairs.append(pair)
                     self._open_at = half.at + self.policy.stride
-                    decision = decide(self._pairs, self.policy)
-                    if decision.eager is None:
-                        decision = None
-                    else:
-                        self._conclude(decision)
+                    verdict = decide(self._pairs, self.policy)
+                    if verdict.eager is not None:
+                        self._conclude(verdict)
+                        decision = verdict
             self._left()
             return decision
 

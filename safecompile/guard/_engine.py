@@ -532,7 +532,8 @@ class Engine:
         self.say(
             EventKind.SPEED_VERDICT,
             f"{'eager' if decision.eager else 'compiled'} serves: the whole call, "
-            f"compiled/eager median {decision.ratio:.3f}x {figures} over "
+            f"compiled/eager summed time {decision.ratio:.3f}x {figures} (median pair "
+            f"{decision.median:.3f}x) over "
             f"{decision.pairs} paired live calls (slower_ratio={limit})",
             here=True,
             details=decision.to_dict(),
