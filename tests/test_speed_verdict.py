@@ -621,6 +621,54 @@ def test_a_probe_that_raises_is_the_users_error(spending: FakeClock) -> None:
     assert c.stats().rollbacks == 0
 
 
+_WORK: list[FakeClock] = []
+
+
+@torch._dynamo.disable  # type: ignore[untyped-decorator]
+def eager_work(x: torch.Tensor) -> None:
+    """The eager arm's cost, by size: 1 ms for 4 elements, 10 ms for 64."""
+    _WORK[-1].advance(0.001 if x.numel() <= 4 else 0.010)
+
+
+def sized(x: torch.Tensor) -> torch.Tensor:
+    if not torch.compiler.is_compiling():  # traced away: the compiled graph's cost is its own
+        eager_work(x)
+    return x * 2 + 1
+
+
+def test_the_traffic_rolls_back_end_to_end(clock: FakeClock) -> None:
+    """Small calls 2% faster compiled, big ones 10% slower, 6 calls in 10 small: the median
+    pair favours compiled, the traffic takes ~8% more time compiled: rolled back
+    (``slower``), every result eager's (the median pair alone kept it compiled)."""
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        def run(*args: Any) -> Any:
+            big = any(isinstance(a, torch.Tensor) and a.numel() > 4 for a in args)
+            clock.advance(0.011 if big else 0.00098)
+            return gm.forward(*args)
+
+        return run
+
+    _WORK.append(clock)
+    g = safe_compile(sized, backend=backend, clock=clock)
+    rng = random.Random(0)
+    try:
+        for _ in range(2000):
+            x = torch.randn(4 if rng.random() < 0.6 else 64)
+            torch.testing.assert_close(g(x), x * 2 + 1, rtol=0, atol=0)
+    finally:
+        _WORK.clear()
+    c = g.safecompile
+    assert c.state is State.ROLLED_BACK
+    last = c.stats().last_rollback
+    assert last is not None
+    assert last.reason is Reason.SLOWER
+    verdict = next(e for e in c.events() if e.kind is EventKind.SPEED_VERDICT)
+    assert verdict.details["verdict"] == "eager"
+    assert verdict.details["median"] == pytest.approx(0.98)
+    assert verdict.details["ratio"] > 1.05
+
+
 def test_buckets_time_the_padded_call(spending: FakeClock) -> None:
     """With buckets, the compiled arm is the padded call (pad, compiled, cut back), the
     eager arm the unpadded one; pairs group by bucket."""
