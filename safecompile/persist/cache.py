@@ -16,7 +16,6 @@ import getpass
 import hashlib
 import importlib.metadata
 import json
-import math
 import os
 import platform
 import re
@@ -358,10 +357,8 @@ def _stable(value: object, depth: int = 0) -> str:
     inner = functools.partial(_stable, depth=depth + 1)
     if depth > 6:
         text = "..."
-    elif isinstance(value, type(None) | bool | int | str | bytes | complex):
-        text = repr(value)
-    elif isinstance(value, float):
-        text = repr(value) if math.isfinite(value) else str(value)
+    elif isinstance(value, type(None) | bool | int | float | str | bytes | complex):
+        text = repr(value)  # a float's repr is its shortest exact text, nan and inf included
     elif isinstance(value, enum.Enum):
         text = f"{type(value).__qualname__}.{value.name}"
     elif isinstance(value, torch.Tensor):
@@ -374,10 +371,9 @@ def _stable(value: object, depth: int = 0) -> str:
         text = f"set({', '.join(sorted(map(inner, value)))})"
     elif isinstance(value, Mapping):
         text = "{" + ", ".join(sorted(f"{inner(k)}: {inner(v)}" for k, v in value.items())) + "}"
-    elif isinstance(value, types.FunctionType | type):
-        text = f"<{value.__module__}.{value.__qualname__}>"
-    else:
-        text = f"<{type(value).__module__}.{type(value).__qualname__}>"
+    else:  # a function or class by name, anything else by its type's
+        named = value if isinstance(value, types.FunctionType | type) else type(value)
+        text = f"<{named.__module__}.{named.__qualname__}>"
     return text
 
 
