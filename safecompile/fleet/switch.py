@@ -19,7 +19,7 @@ from safecompile.base import killswitch as ks
 from safecompile.base.forks import in_forked_child
 from safecompile.observe.log import Once, log_event
 from safecompile.persist.bounded import read_file
-from safecompile.persist.remote import RedisLink, parse_url, redacted
+from safecompile.persist.remote import RedisLink, redacted
 
 __all__ = ["SOURCE_ENV_VAR", "WATCHER", "Watcher", "open_source", "rule_of", "watch"]
 
@@ -80,7 +80,7 @@ def open_source(spec: str) -> FileSource | RedisKeySource:
         return FileSource(Path(path))
     if parts.scheme in ("redis", "rediss", "unix"):
         key = urllib.parse.unquote(parts.fragment) or DEFAULT_KEY
-        return RedisKeySource(parse_url(urllib.parse.urlunsplit(parts._replace(fragment=""))), key)
+        return RedisKeySource(urllib.parse.urlunsplit(parts._replace(fragment="")), key)
     if os.path.isabs(text):
         return FileSource(Path(text))
     raise ValueError(
