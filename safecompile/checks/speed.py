@@ -124,13 +124,13 @@ def decide(
 ) -> Decision:
     """The verdict of a round's ``(compiled_s, eager_s)`` pairs (see the module doc)."""
     valid = _valid(pairs)
-    found = ratios(valid)
-    n = len(found)
-    low, middle, high = median_interval(ratios(runs(valid, 16)), policy.confidence)
-    median = statistics.median(found) if found else math.nan
+    n = len(valid)
     multiple, rest = divmod(n, policy.min_pairs)  # looks: min_pairs, its doublings, max_pairs
     if n < policy.max_pairs and not (multiple > 0 and rest == 0 and multiple & (multiple - 1) == 0):
-        return Decision(None, middle, low, high, n, median)
+        return Decision(None, math.nan, math.nan, math.nan, n, math.nan)  # not read
+    found = ratios(valid)
+    low, middle, high = median_interval(ratios(runs(valid, 16)), policy.confidence)
+    median = statistics.median(found)
     last = n >= policy.max_pairs
     by_time = _read((low, middle, high), policy, last)
     by_call = _read(median_interval(found, policy.confidence), policy, last)
