@@ -8,6 +8,7 @@ the state with a bounded loop; the others set a long interval and call
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -21,6 +22,7 @@ from structlog.testing import capture_logs
 import safecompile
 from safecompile import safe_compile
 from safecompile.base import killswitch as ks
+from safecompile.fleet import switch as switch_module
 from safecompile.fleet.switch import (
     DEFAULT_KEY,
     DEFAULT_POLL_S,
@@ -367,3 +369,44 @@ def test_a_bad_poll_interval_warns_once_and_uses_the_default(
         assert WATCHER.interval() == DEFAULT_POLL_S
         assert WATCHER.interval() == DEFAULT_POLL_S
     assert len(events(logs, "disable_source_invalid")) == 1
+
+
+class _HungSource:
+    """A source whose read blocks until released (a hung mount past every timeout)."""
+
+    label = "hung://source"
+
+    def __init__(self) -> None:
+        self.reading = threading.Event()
+        self.release = threading.Event()
+
+    def read(self) -> str | None:
+        self.reading.set()
+        self.release.wait(WAIT_S)
+        return "1"
+
+
+def test_a_hung_read_holds_up_neither_stop_nor_another_poll(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first read at ``start()`` holds no lock ``stop()`` needs, and a poll that
+    finds another still reading keeps the rule in force after a bounded wait."""
+    source = _HungSource()
+    monkeypatch.setattr(switch_module, "open_source", lambda spec: source)
+    monkeypatch.setattr(switch_module, "POLL_WAIT_S", 0.05)
+    monkeypatch.setenv(SOURCE_ENV_VAR, "hung://source")
+    monkeypatch.setenv(POLL_ENV_VAR, "3600")
+    starter = threading.Thread(target=WATCHER.start, daemon=True)
+    starter.start()
+    try:
+        assert source.reading.wait(WAIT_S)
+        assert WATCHER.poll() == ks.NOTHING  # did not wait for the hung read
+        stopper = threading.Thread(target=WATCHER.stop, daemon=True)
+        stopper.start()
+        stopper.join(WAIT_S)
+        assert not stopper.is_alive()  # stop() was not held up by start()'s read
+        assert starter.is_alive()  # the read is still hung
+    finally:
+        source.release.set()
+        starter.join(WAIT_S)
+    assert ks.SWITCH.watched != ks.NOTHING  # the read, once it came, was applied

@@ -18,8 +18,8 @@ from pathlib import Path
 from safecompile.base import killswitch as ks
 from safecompile.base.forks import in_forked_child
 from safecompile.observe.log import Once, log_event
-from safecompile.persist.bounded import read_file
-from safecompile.persist.remote import RedisLink, redacted
+from safecompile.persist.bounded import READ_TIMEOUT_S, read_file
+from safecompile.persist.remote import SOCKET_TIMEOUT_S, RedisLink, redacted
 
 __all__ = ["SOURCE_ENV_VAR", "WATCHER", "Watcher", "open_source", "rule_of", "watch"]
 
@@ -110,6 +110,9 @@ def _describe(rule: ks.Rule) -> str:
     return "all" if rule.everything else ",".join(rule.patterns) or "nothing"
 
 
+POLL_WAIT_S = 2 * READ_TIMEOUT_S + SOCKET_TIMEOUT_S  # a bound on waiting for another poll
+
+
 class Watcher:
     """Polls the source ``SAFECOMPILE_DISABLE_SOURCE`` names; one daemon thread."""
 
@@ -124,14 +127,19 @@ class Watcher:
         self._invalid = Once()  # reasons said
 
     def poll(self) -> ks.Rule:
-        """Read the source once and apply what it says; the rule in force. Never raises."""
-        with self._poll_lock:
-            try:
-                self._poll()
-            except Exception as exc:  # unreadable, too large, not UTF-8, Redis down: keep the last
-                source = self._source.label if self._source else redacted(self._spec or "")
-                self._failed(source, f"{type(exc).__name__}: {exc}")
+        """Read the source once and apply what it says; the rule in force. Never raises.
+        Polls run one at a time; one that finds another still reading after
+        ``POLL_WAIT_S`` (a hung source outlives each read's timeout) keeps the rule in force."""
+        if not self._poll_lock.acquire(timeout=POLL_WAIT_S):
             return ks.SWITCH.watched
+        try:
+            self._poll()
+        except Exception as exc:  # unreadable, too large, not UTF-8, Redis down: keep the last
+            source = self._source.label if self._source else redacted(self._spec or "")
+            self._failed(source, f"{type(exc).__name__}: {exc}")
+        finally:
+            self._poll_lock.release()
+        return ks.SWITCH.watched
 
     def _poll(self) -> None:
         spec = os.environ.get(SOURCE_ENV_VAR, "").strip() or None
@@ -180,12 +188,14 @@ class Watcher:
         return thread is not None and thread.is_alive()
 
     def start(self) -> None:
-        """Read the source now (bounded like every read), then poll on a daemon thread."""
+        """Read the source now (bounded like every read), then poll on a daemon thread.
+        The read holds no lock ``stop()`` waits for."""
+        if self.running:
+            return
+        self.poll()
         with self._lock:
-            if self.running:
-                return
-            self.poll()
-            self._spawn(first=False)
+            if not self.running:
+                self._spawn(first=False)
 
     def _spawn(self, *, first: bool) -> None:
         self._stop = stop = threading.Event()
@@ -217,9 +227,11 @@ class Watcher:
     def reset(self) -> None:
         """Stop, forget the source, and clear what it disabled (for tests)."""
         self.stop()
-        with self._poll_lock:
-            self._spec, self._source, self._failing = None, None, None
-            self._invalid.forget()
+        held = self._poll_lock.acquire(timeout=POLL_WAIT_S)
+        self._spec, self._source, self._failing = None, None, None
+        self._invalid.forget()
+        if held:
+            self._poll_lock.release()
         ks.set_watched(ks.NOTHING)
 
     def _run(self, stop: threading.Event, first: bool) -> None:
