@@ -1,0 +1,182 @@
+"""Why the speed verdict's live pairs read ``bench/compare.py``'s variable workload faster
+than whole rounds do (issue 18): each live pair's shapes and times, against the same shapes'
+per-call times in rounds of one arm at a time, and a call's time by the arm that ran before it.
+
+safe_compile serves the ``variable`` traffic (a d64 block, random (batch, seq)) with the
+verdict kept measuring (every round read as "compiled" and the next started at once: a
+slower_ratio of 100 and a patched backoff), interleaved round by round with eager itself.
+Each timed call is logged with its (batch, seq); each pair's compiled and eager time is set
+against the median of the same shape's untimed calls in the rounds (thread CPU time, one
+thread). ``--warm`` runs one untimed eager call (another shape) just before each probe.
+
+    python bench/pair_context.py                   # inductor: ~1 min at load 2
+    python bench/pair_context.py --warm --no-context
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import Any
+
+import torch
+from _models import Block  # bench/ is on sys.path when a bench runs as a script
+from compare import variable_traffic
+from overhead import own_code
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import safecompile.checks.speed as speed_mod
+import safecompile.guard._paths as paths_mod
+from safecompile import Rollback, safe_compile
+
+Shape = tuple[int, int]
+Pair = tuple[Shape, float, Shape, float]  # compiled's shape and seconds, eager's
+
+
+def instrument(pairs: list[Pair], timed: list[tuple[speed_mod.Step, Shape, float]]) -> None:
+    """Log every timed call's shape and time, and every completed pair; keep measuring."""
+    shape: list[Shape] = [(0, 0)]
+    planned: list[tuple[speed_mod.Step, Shape]] = []
+    call_key, plan, record = (
+        paths_mod.call_key,
+        speed_mod.CallSpeed.plan,
+        speed_mod.CallSpeed.record,
+    )
+    conclude = speed_mod.CallSpeed._conclude
+
+    def keyed(args: tuple[Any, ...], kwargs: dict[str, Any], *rest: Any) -> Hashable:
+        shape[0] = (args[0].shape[0], args[0].shape[1])
+        return call_key(args, kwargs, *rest)
+
+    def planned_step(self: speed_mod.CallSpeed, key: Hashable) -> speed_mod.Step:
+        step = plan(self, key)
+        if step is not speed_mod.Step.UNTIMED:
+            planned.append((step, shape[0]))
+        return step
+
+    def recorded(self: speed_mod.CallSpeed, step: speed_mod.Step, seconds: float) -> Any:
+        before = len(self._pairs)
+        timed.append((*planned[-1], seconds))
+        decision = record(self, step, seconds)
+        if len(self._pairs) > before or decision is not None:
+            (arm, shape_a, a), (_, shape_b, b) = timed[-2], timed[-1]
+            compiled_first = arm is speed_mod.Step.TIME_COMPILED
+            pairs.append((shape_a, a, shape_b, b) if compiled_first else (shape_b, b, shape_a, a))
+        return decision
+
+    def keep_measuring(self: speed_mod.CallSpeed, decision: speed_mod.Decision) -> None:
+        conclude(self, decision)
+        self._round_at = self.calls
+
+    paths_mod.call_key = keyed
+    speed_mod.CallSpeed.plan = planned_step  # type: ignore[method-assign]
+    speed_mod.CallSpeed.record = recorded  # type: ignore[method-assign]
+    speed_mod.CallSpeed._conclude = keep_measuring  # type: ignore[method-assign]
+
+
+def warm_probes(traffic: list[Any]) -> None:
+    """One untimed eager call of another shape right before each probe (a prototype)."""
+    probe = paths_mod._probe
+    turn = iter(range(10**9))
+
+    def warmed(e: Any, call: Any) -> Any:
+        args, kwargs = traffic[next(turn) % len(traffic)]
+        e.fn(*args, **kwargs)
+        return probe(e, call)
+
+    paths_mod._probe = warmed
+
+
+def read(pairs: list[Pair], medians: dict[str, dict[Shape, float]], label: str) -> None:
+    if not pairs:
+        print(f"{label}: no pairs")
+        return
+    c, e = sum(p[1] for p in pairs), sum(p[3] for p in pairs)
+    round_c = sum(medians["compiled"][p[0]] for p in pairs)
+    round_e = sum(medians["eager"][p[2]] for p in pairs)
+    print(
+        f"{label}: {len(pairs)} pairs; summed compiled / eager {c / e:.3f} live, "
+        f"{round_c / round_e:.3f} from the same shapes' times in rounds; live / rounds: "
+        f"compiled {c / round_c:.3f}, eager {e / round_e:.3f}; "
+        f"median pair {statistics.median(p[1] / p[3] for p in pairs):.3f}"
+    )
+
+
+def context(model: Callable[..., Any], guarded: Callable[..., Any], traffic: list[Any]) -> None:
+    """A call's time after k calls of an arm (random shapes), over the same call repeated."""
+    rng = random.Random(1)
+    found: dict[tuple[str, str, int], list[float]] = {}
+    arms = {"eager": model, "compiled": guarded}
+    for _ in range(2000):
+        args, kwargs = rng.choice(traffic)
+        before, arm, k = rng.choice(list(arms)), rng.choice(list(arms)), rng.choice([1, 8])
+        for _ in range(k):
+            other_args, other_kwargs = rng.choice(traffic)
+            arms[before](*other_args, **other_kwargs)
+        cost = []
+        for _ in range(2):
+            start = time.thread_time()
+            arms[arm](*args, **kwargs)
+            cost.append(time.thread_time() - start)
+        found.setdefault((arm, before, k), []).append(cost[0] / cost[1])
+    for (arm, before, k), values in sorted(found.items()):
+        print(f"{arm} after {k} {before}: {statistics.median(values):.3f} (n={len(values)})")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--warm", action="store_true", help="an eager call before each probe")
+    parser.add_argument("--no-context", action="store_true", help="skip the context table")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    traffic = variable_traffic(False)
+    model = Block(64, 4).eval()
+    guarded = safe_compile(
+        own_code(model, "pairs"), backend=args.backend, rollback=Rollback(slower_ratio=100.0)
+    )
+    pairs: list[Pair] = []
+    timed: list[tuple[speed_mod.Step, Shape, float]] = []
+    instrument(pairs, timed)
+    if args.warm:
+        warm_probes(traffic)
+    times: dict[str, dict[Shape, list[float]]] = {"eager": {}, "compiled": {}}
+    totals: dict[str, float] = {"eager": 0.0, "compiled": 0.0}
+    with torch.no_grad():
+        for _ in range(10):  # compiles, the canary
+            for call_args, kwargs in traffic:
+                model(*call_args, **kwargs)
+                guarded(*call_args, **kwargs)
+        pairs.clear()
+        for r in range(args.rounds):
+            order = [("eager", model), ("compiled", guarded)]
+            for arm, fn in order if r % 2 else order[::-1]:
+                for call_args, kwargs in traffic:
+                    seen, start = len(timed), time.thread_time()
+                    fn(*call_args, **kwargs)
+                    spent = time.thread_time() - start
+                    totals[arm] += spent
+                    if len(timed) == seen:  # neither timed nor a probe
+                        shape = (call_args[0].shape[0], call_args[0].shape[1])
+                        times[arm].setdefault(shape, []).append(spent)
+        medians = {arm: {s: statistics.median(v) for s, v in d.items()} for arm, d in times.items()}
+        print(f"rounds: compiled / eager summed {totals['compiled'] / totals['eager']:.3f}")
+        shapes = [(a[0].shape[0], a[0].shape[1]) for a, _ in traffic]
+        by_shape = sum(medians["compiled"][s] for s in shapes) / sum(
+            medians["eager"][s] for s in shapes
+        )
+        print(f"the traffic from its shapes' untimed medians: compiled / eager {by_shape:.3f}")
+        read(pairs, medians, "all pairs")
+        read([p for p in pairs if p[0] == p[2]], medians, "same-shape pairs")
+        if not args.no_context:
+            context(model, guarded, traffic)
+
+
+if __name__ == "__main__":
+    main()
