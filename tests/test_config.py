@@ -40,6 +40,21 @@ def test_bad_decorator_options(options: dict[str, object], match: str) -> None:
         safe_compile(f, **options)
 
 
+def test_inductor_is_accepted_without_listing_every_backend(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """backend="inductor" (the default) does not import every registered backend to be
+    checked: a replica that loads its compiled functions never needs them."""
+
+    def listed(*args: object, **kwargs: object) -> list[str]:
+        raise AssertionError("list_backends imports every backend")
+
+    monkeypatch.setattr(torch.compiler, "list_backends", listed)
+    safe_compile(f, backend="inductor")
+    with pytest.raises(AssertionError, match="imports every backend"):
+        safe_compile(f, backend="aot_eager")
+
+
 def test_config_error_is_value_error() -> None:
     """ConfigError is a ValueError, so generic handlers catch it."""
     assert issubclass(ConfigError, ValueError)
