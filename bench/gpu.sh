@@ -7,9 +7,11 @@
 #   bench/gpu.sh                 # from the repository root, the project's venv active
 #   PYTHON=.venv/bin/python bench/gpu.sh
 #
-# Each step has its own time limit (the three add up to 7.5 min): a step that runs out
-# is reported as such, and the script goes on. Logs go to $OUT (or a temp dir).
-set -u
+# Each step has its own time limit (the three add up to 8 min): a step that runs out
+# is reported as such, and the script goes on. Each test runs in a pytest process of its
+# own, so one that crashes the interpreter (a segfault in a kernel launch) is reported as
+# crashed and the others still run. Logs go to $OUT (or a temp dir).
+set -u -f  # -f: test ids hold brackets, never globs
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python}
 LOGS=${OUT:-$(mktemp -d)}
@@ -32,7 +34,17 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit, keep its log and wal
 }
 : >"$LOGS/steps"
 
-step tests 270 "$PYTHON" -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda.py
+each_test() {  # every cuda test in its own process; one line per test: "RESULT rc id"
+    local id rc bad=0
+    for id in $("$PYTHON" -m pytest -q --collect-only -m cuda -p no:cacheprovider tests/test_cuda.py | grep '::'); do
+        "$PYTHON" -m pytest -q -m cuda -p no:cacheprovider "$id"
+        rc=$?
+        echo "RESULT $rc $id"
+        [ "$rc" -eq 0 ] || bad=1
+    done
+    return $bad
+}
+step tests 300 bash -c "PYTHON='$PYTHON'; set -f; $(declare -f each_test); each_test"
 step bench-default 90 "$PYTHON" bench/compare.py --device cuda --workloads mlp-32,block,gpt2 \
     --warmup 5 --rounds 9
 step bench-reduce-overhead 90 "$PYTHON" bench/compare.py --device cuda --mode reduce-overhead \
@@ -49,7 +61,17 @@ while read -r name rc secs; do
     printf '%-22s %-18s %4ss\n' "$name" "$verdict" "$secs"
 done <"$LOGS/steps"
 echo
-echo "tests: $(grep -E '(passed|failed|error)' "$LOGS/tests.log" | tail -1)"
+echo "tests, one process each:"
+while read -r _ rc id; do
+    case $rc in
+        0) verdict=passed ;;
+        5) verdict="not run (deselected)" ;;
+        1) verdict=FAILED ;;
+        13[0-9]) verdict="CRASHED (signal $((rc - 128)))" ;;
+        *) verdict="exit $rc" ;;
+    esac
+    printf '  %-10s %s\n' "$verdict" "$id"
+done < <(grep '^RESULT ' "$LOGS/tests.log")
 grep -E '^(FAILED|ERROR)' "$LOGS/tests.log" | head -10
 for bench in bench-default bench-reduce-overhead; do
     echo
