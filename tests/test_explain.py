@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch._dynamo
 
+from safecompile.base import torchcompat
 from safecompile.observe.explain import TEXT_LIMIT, explain, source_line
 from safecompile.observe.source import SourceLocation, location_of_error
 from safecompile.testing import FailingBackend
@@ -126,13 +127,19 @@ def test_a_custom_op_without_a_fake_implementation() -> None:
 
 
 def test_the_recompile_limit() -> None:
-    compiled = torch.compile(double, backend="eager", dynamic=False, recompile_limit=1)
-    compiled(torch.randn(2))
-    with (
-        torch._dynamo.config.patch(fail_on_recompile_limit_hit=True),
-        pytest.raises(Exception) as info,  # noqa: PT011
-    ):
-        compiled(torch.randn(3))
+    keywords = torchcompat.per_function_limit(1)
+    if isinstance(keywords, torchcompat.Missing):  # 2.9.1, 2.11: dynamo's global limit
+        keywords, limit = {}, {"recompile_limit": 1}
+    else:
+        limit = {}
+    with torch._dynamo.config.patch(limit):
+        compiled = torch.compile(double, backend="eager", dynamic=False, **keywords)
+        compiled(torch.randn(2))
+        with (
+            torch._dynamo.config.patch(fail_on_recompile_limit_hit=True),
+            pytest.raises(Exception) as info,  # noqa: PT011
+        ):
+            compiled(torch.randn(3))
     got = explain(info.value)
     assert got.kind == "recompile_limit"
     assert "Buckets" in got.text

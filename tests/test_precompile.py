@@ -26,11 +26,17 @@ from safecompile.base import torchcompat
 from safecompile.guard import _precompile
 from safecompile.guard._precompile import ISA_SCOPE, IsaChecks, _isa_key
 from safecompile.guard.graphs import GuardBackend
+from safecompile.observe.log import torch_missing_said
 from safecompile.persist import remote as _remote
 from safecompile.persist.cache import VerdictStore
 from safecompile.persist.remote import REMOTE_ENV_VAR
 
 REPO = Path(__file__).resolve().parents[1]
+# The tests that save and load: where this torch cannot (2.9.1, 2.11), it says so instead.
+needs_precompile = pytest.mark.skipif(
+    not torchcompat.compiled_function_loader(),
+    reason="this torch cannot precompile (torchcompat.compiled_function_loader is Missing)",
+)
 X = torch.randn(8, 8)
 SCALE = 2.0
 
@@ -72,6 +78,7 @@ def saved_files(cache_dir: Path) -> list[Path]:
     return sorted((cache_dir / "precompiled").rglob("*.bin"))
 
 
+@needs_precompile
 def test_a_restart_loads_instead_of_tracing_and_still_checks(cache_dir: Path) -> None:
     """The loaded graph serves compiled calls, counted, and its canary checks run."""
     guard()
@@ -88,6 +95,7 @@ def test_a_restart_loads_instead_of_tracing_and_still_checks(cache_dir: Path) ->
     assert g.safecompile.state is State.COMPILED  # its canary passed
 
 
+@needs_precompile
 def test_a_loaded_graph_that_drifts_rolls_back(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -104,6 +112,7 @@ def test_a_loaded_graph_that_drifts_rolls_back(
     assert g.safecompile.state is State.ROLLED_BACK
 
 
+@needs_precompile
 @pytest.mark.parametrize("fault", ["tampered", "unsigned"])
 def test_a_tampered_or_unsigned_artifact_is_traced_as_usual(cache_dir: Path, fault: str) -> None:
     guard()
@@ -124,6 +133,7 @@ def test_a_tampered_or_unsigned_artifact_is_traced_as_usual(cache_dir: Path, fau
     assert g.safecompile.state is State.COMPILED
 
 
+@needs_precompile
 def test_an_artifact_from_another_torch_is_traced_as_usual(
     cache_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -145,6 +155,7 @@ def test_an_artifact_from_another_torch_is_traced_as_usual(
     assert g.safecompile.stats().graphs == 1  # the traced one, nothing half-loaded
 
 
+@needs_precompile
 def test_a_call_no_loaded_guard_matches_is_traced(cache_dir: Path) -> None:
     """Another shape, or grad mode off: the loaded guards fail, the call traces."""
     guard()
@@ -164,6 +175,7 @@ def plain(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
     return gm.forward
 
 
+@needs_precompile
 def test_what_cannot_be_saved_is_said_once(cache_dir: Path) -> None:
     """A backend whose result torch cannot serialize: nothing saved, one event."""
     with capture_logs() as logs:
@@ -173,6 +185,7 @@ def test_what_cannot_be_saved_is_said_once(cache_dir: Path) -> None:
     assert saved_files(cache_dir) == []
 
 
+@needs_precompile
 def test_a_function_reading_a_global_value_is_not_saved(cache_dir: Path) -> None:
     """A precompiled function would read the globals as saved, unguarded: not saved."""
     with capture_logs() as logs:
@@ -181,6 +194,7 @@ def test_a_function_reading_a_global_value_is_not_saved(cache_dir: Path) -> None
     assert saved_files(cache_dir) == []
 
 
+@needs_precompile
 def test_reset_forgets_the_precompiled_functions(cache_dir: Path) -> None:
     guard()
     g = guard()
@@ -191,6 +205,28 @@ def test_reset_forgets_the_precompiled_functions(cache_dir: Path) -> None:
     assert traced() > before
 
 
+def test_a_torch_that_cannot_precompile_traces_every_restart_and_says_so_once(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch 2.11's ``torch.compile`` result has no ``aot_compile``: nothing is saved or
+    loaded, one torch_feature_missing event for two guards, eager's values."""
+    gone = torchcompat.Missing("torch.compile(...).aot_compile", "a warm restart traces again")
+    monkeypatch.setattr(torchcompat, "compiled_function_loader", lambda: gone)
+    torch_missing_said.forget()
+    with capture_logs() as logs:
+        guard()
+        before = traced()
+        g = guard()
+        torch.testing.assert_close(g(X), score(X))
+    assert traced() > before
+    assert saved_files(cache_dir) == []
+    said = [e for e in logs if e["event"] == "safecompile.torch_feature_missing"]
+    assert [e["effect"] for e in said if e["torch_name"] == gone.name] == [gone.effect]
+    assert outcomes(logs) == []
+    assert g.safecompile.state is State.COMPILED
+
+
+@needs_precompile
 def test_a_replica_loads_what_another_saved_through_the_remote_tier(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, redis_url: str
 ) -> None:
@@ -311,6 +347,7 @@ class Net(torch.nn.Module):
 """
 
 
+@needs_precompile
 @pytest.mark.inductor
 def test_a_new_process_loads_inductor_graphs_without_tracing(tmp_path: Path) -> None:
     """A real warm restart: the second process traces no frame, and its calls are

@@ -94,6 +94,8 @@ def test_every_accessor_finds_its_name_on_the_installed_torch() -> None:
             "isolate_recompiles": True,
         }
     assert torchcompat.compile_callbacks() is not None
+    if _torch_version() >= (2, 13):  # checked absent in 2.9.1, 2.11
+        assert torchcompat.compiled_function_loader() is torch.compiler.load_compiled_function
     assert torchcompat.lookup("torch.distributed.distributed_c10d._get_default_store")
     assert all(torchcompat.lookup(name) is not None for name in torchcompat._SIDE_EFFECT_NAMES)
     assert torchcompat.is_op_overload(torch.ops.aten.add.Tensor)
@@ -233,6 +235,28 @@ def test_no_per_function_limit_compiles_under_the_global_one(
     assert seen
     assert all("recompile_limit" not in kw and "isolate_recompiles" not in kw for kw in seen)
     assert len(missing_events(logs, "torch.compile(recompile_limit=)")) == 1
+
+
+def test_precompiling_needs_aot_compile_and_a_loader_of_its_data(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Off (2.9.1's default; 2.11 had no aot_compile), or a loader without f_globals= and
+    external_data= (2.9.1's): Missing, saying a warm restart traces again."""
+    monkeypatch.setattr(torch._dynamo.config, "enable_aot_compile", False)
+    off = torchcompat.compiled_function_loader()
+    assert isinstance(off, torchcompat.Missing)
+    assert off.name == "torch.compile(...).aot_compile"
+    assert "warm restart traces again" in off.effect
+    monkeypatch.setattr(torch._dynamo.config, "enable_aot_compile", True)
+    real = torchcompat.lookup
+
+    def lookup(dotted: str) -> Any:
+        return (lambda file: None) if dotted.endswith("load_compiled_function") else real(dotted)
+
+    monkeypatch.setattr(torchcompat, "lookup", lookup)
+    old = torchcompat.compiled_function_loader()
+    assert isinstance(old, torchcompat.Missing)
+    assert old.name.startswith("torch.compiler.load_compiled_function(")
 
 
 def test_no_compile_wrapper_falls_back_to_the_backend_itself(

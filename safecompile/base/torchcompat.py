@@ -42,6 +42,7 @@ __all__ = [
     "compile_callbacks",
     "compile_errors",
     "compile_lock",
+    "compiled_function_loader",
     "compiled_original",
     "compiler_wrapper",
     "config_entry",
@@ -272,6 +273,23 @@ def precompiled_rewrapped(
         return Missing("AOTCompiledFunction._artifacts", "precompiled graphs are not loaded")
     rebuilt = dataclasses.replace(artifacts, compiled_fn=wrap(artifacts.compiled_fn))
     return dataclasses.replace(loaded, _artifacts=rebuilt)
+
+
+def compiled_function_loader() -> Callable[..., Any] | Missing:
+    """``torch.compiler.load_compiled_function``, where ``torch.compile``'s result also has
+    the ``aot_compile`` that saves what it loads. checked: 2.13.0 (``aot_compile`` is set
+    while ``torch._dynamo.config.enable_aot_compile``, on by default; the loader takes
+    ``f_globals=`` and ``external_data=``), 2.9.1 (off by default; a loader without
+    them); on 2.11.0 the result had no ``aot_compile``"""
+    effect = "nothing is precompiled: a warm restart traces again"
+    if lookup("torch._dynamo.config.enable_aot_compile") is not True:
+        return Missing("torch.compile(...).aot_compile", effect)
+    load = lookup("torch.compiler.load_compiled_function")
+    if not callable(load) or not {"f_globals", "external_data"} <= set(
+        inspect.signature(load).parameters
+    ):
+        return Missing("torch.compiler.load_compiled_function(f_globals=, external_data=)", effect)
+    return load  # type: ignore[no-any-return]
 
 
 def undisabled(fn: Callable[..., Any]) -> Callable[..., Any]:

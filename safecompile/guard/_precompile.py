@@ -4,7 +4,8 @@ After a warmup that passed, each warm signature is compiled once more with
 ``torch.compile(fullgraph=True).aot_compile()`` and saved, sealed with the operator's key,
 under ``SAFECOMPILE_CACHE_DIR`` and in the remote tier. A new process loads them before its
 first compile and runs a call that passes one's guards through it, wrapped like a traced
-graph; anything else takes today's path, with one ``safecompile.precompiled`` event.
+graph; anything else takes today's path, with one ``safecompile.precompiled`` event. A torch
+that cannot precompile (``torchcompat.compiled_function_loader``) traces every restart.
 Inductor's vector-ISA checks that passed are kept the same way, so a restart skips them.
 """
 
@@ -70,7 +71,12 @@ class Precompiled:
         root, store = signed_store()
         self._store = store
         self._signer = store.signer if store is not None else None
-        self._dir = root / "precompiled" if root is not None and self._signer else None
+        found = torchcompat.compiled_function_loader() if store is not None else None
+        if isinstance(found, torchcompat.Missing):
+            torch_missing(found)  # inductor's vector-ISA checks are still kept
+            found = None
+        self._load_fn = found
+        self._dir = root / "precompiled" if root is not None and found is not None else None
         self._persisted = persisted  # its key is ours, made by the first call's load()
         self._key: str | None = None
         self._top = top  # what torch.compile compiles (see backend.own_frame)
@@ -103,7 +109,10 @@ class Precompiled:
         """After a warmup that passed: each warm signature, as the compiled function got
         it (padded; a rejected bucket's left out), precompiled and saved."""
         key, store = self._key, self._store
-        if self._dir is None or store is None or key is None:
+        if store is None or key is None:
+            return
+        if self._dir is None:  # this torch cannot precompile: only its ISA checks are kept
+            ISA_CHECKS.save(store)
             return
         made: list[Any] = []
         for call in calls:
@@ -172,12 +181,14 @@ class Precompiled:
     def load(self, args: tuple[Any, ...], kwargs: dict[str, Any], adopt: Adopt) -> None:
         """Once per process, before the first compile: load what an earlier one saved."""
         with self._lock:
-            if self._looked or self._store is None or self._dir is None:
+            if self._looked or self._store is None:
                 return
             self._looked = True
         if self._inductor:
             ISA_CHECKS.route(self._store)
         key = self._key = self._persisted.key(args, kwargs)
+        if self._dir is None:  # this torch cannot load them
+            return
         verdict = self._store.get(key, SCOPE) if key is not None else None
         if key is None or verdict is None:
             self._event("missing", "nothing saved for this key: traced as usual", logging.INFO)
@@ -199,13 +210,14 @@ class Precompiled:
         assert self._signer is not None
         assert self._dir is not None
         assert self._store is not None
+        assert self._load_fn is not None
         sealed = read_file(self._dir / key / file, limit=MAX_BYTES, timeout=READ_TIMEOUT_S)
         if sealed is None and self._store.remote is not None:
             sealed = self._store.remote.get_blob(key, file)
         if sealed is None or len(sealed) > MAX_BYTES:
             raise FileNotFoundError(f"{file}: not found, or larger than {MAX_BYTES} bytes")
         data = self._signer.unseal(PURPOSE, f"{key}/{file}", sealed)  # before unpickling
-        fn = torch.compiler.load_compiled_function(
+        fn = self._load_fn(
             io.BytesIO(data), f_globals=self._top.__globals__, external_data=self._external
         )
         fields = {f: entry[f] for f in ("label", "code", "unchecked", "mutates")}
