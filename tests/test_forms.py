@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import inspect
 import json
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
+import safecompile
 from safecompile import Guarded, State, safe_compile
 from safecompile.testing import RecordingBackend
 
@@ -198,3 +202,29 @@ def test_deepcopy_and_pickle_of_a_guarded_module_are_plain_modules(x: torch.Tens
     again = safe_compile(twin, backend="eager", shadow=None)
     torch.testing.assert_close(again(x), Net.forward(twin, x))
     assert again.safecompile.stats().calls == 1
+
+
+class FrameProbe(torch.nn.Module):
+    """Notes which of safecompile's frames are on the stack when ``forward`` runs."""
+
+    ours: list[str]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        package = str(Path(safecompile.__file__).parent)
+        frame = sys._getframe(1)
+        self.ours = []
+        while frame is not None:
+            if frame.f_code.co_filename.startswith(package):
+                self.ours.append(frame.f_code.co_name)
+            frame = frame.f_back
+        return x + 1
+
+
+def test_a_guarded_module_served_eager_adds_one_frame(x: torch.Tensor) -> None:
+    """``Module.__call__`` reaches the guarded function with no frame of ours in between:
+    switched off, a guarded module's call has the guarded function's frame alone."""
+    net = safe_compile(FrameProbe(), backend="eager", shadow=None)
+    safecompile.disable()
+    torch.testing.assert_close(net(x), x + 1)
+    assert net.ours == ["guarded"]
+    assert inspect.signature(net.forward) == inspect.signature(FrameProbe.forward.__get__(net))

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 import torch
 
+import safecompile
 from safecompile import Buckets, EventKind, Reason, Rollback, State, safe_compile
 from safecompile.guard import _paths
 from safecompile.testing import (
@@ -331,3 +332,32 @@ def test_reset_reopens_the_path_a_rollback_closed(
     g(x)
     assert slow.count == 1
     assert g.safecompile.state == State.COMPILED
+
+
+@pytest.mark.parametrize("how", ["rolled back", "kill switch"])
+@pytest.mark.parametrize("bucketed", [False, True])
+def test_no_clock_read_while_eager_serves_with_no_trial_to_come(
+    x: torch.Tensor, how: str, bucketed: bool
+) -> None:
+    """Rolled back with no ``retry_after``, or switched off, nothing can send a call down
+    another path until the gate changes: the hot path serves eager without reading the
+    clock, and counts every call."""
+    reads = 0
+
+    def clock() -> float:
+        nonlocal reads
+        reads += 1
+        return 0.0
+
+    buckets = Buckets(dims={"x": 0}, sizes=(4, 8)) if bucketed else None
+    g = safe_compile(affine, backend="eager", shadow=None, buckets=buckets, clock=clock)
+    g(x)
+    if how == "kill switch":
+        safecompile.disable()
+    else:
+        g.safecompile.rollback()
+    reads = 0
+    for _ in range(5):
+        torch.testing.assert_close(g(x), affine(x))
+    assert reads == 0
+    assert g.safecompile.stats().eager_calls == 5

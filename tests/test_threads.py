@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import torch
 
 from safecompile import Reason, State, safe_compile
@@ -85,3 +86,29 @@ def test_threads_compiling_many_shapes_compile_each_once() -> None:
     # each compiled call ran exactly one compiled graph: the guard's count is the backend's
     assert stats.compiled_calls == backend.runs
     assert stats.compiled_calls > 0
+
+
+def picky(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[0] == 3:
+        raise ValueError("no threes")
+    return x + 1
+
+
+def test_eager_from_the_hot_path_counts_every_threads_calls() -> None:
+    """Rolled back, eager serves from the hot path: each thread counts in a slot of its own,
+    made at its first call there, and a call whose eager run raises is counted too."""
+    g = safe_compile(picky, backend="eager", shadow=None)
+    x = torch.randn(4)
+    g(x)
+    g.safecompile.rollback()
+
+    def worker(_: int) -> None:
+        for _ in range(25):
+            torch.testing.assert_close(g(x), x + 1)
+        with pytest.raises(ValueError, match="no threes"):
+            g(torch.randn(3))
+
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(worker, range(4)))  # a worker's failure is raised here
+    stats = g.safecompile.stats()
+    assert (stats.compiled_calls, stats.eager_calls) == (1, 4 * 26)

@@ -71,7 +71,7 @@ _TICK = 1024  # at most this many calls of a thread between reports to the speed
 class Gate:
     """The one prepared value the hot path reads (see :mod:`._paths`)."""
 
-    __slots__ = ("compiled", "disabled", "eager_until", "fast", "generation", "token")
+    __slots__ = ("compiled", "disabled", "eager", "eager_until", "fast", "generation", "token")
 
     def __init__(self, compiled: Callable[..., Any]) -> None:
         self.token: object = object()  # the kill switch's environment value last read
@@ -79,6 +79,7 @@ class Gate:
         self.disabled = False
         self.fast = False  # compiled may serve without the slow path
         self.eager_until = -math.inf  # tripped: eager serves, decision-free, until this clock
+        self.eager = False  # eager serves every call, no clock read: disabled, or no trial due
         self.compiled = compiled
 
 
@@ -251,7 +252,8 @@ class Engine:
                 and len(self.table) > 0
                 and not (self.speed is not None and self.speed.wants)
             )
-            self.gate.eager_until = self.trips.eager_until()
+            self.gate.eager_until = until = self.trips.eager_until()
+            self.gate.eager = self.gate.disabled or until == math.inf
 
     @property
     def warming_up(self) -> bool:

@@ -160,11 +160,13 @@ def _entrypoint(e: Engine) -> Callable[..., Any]:
                     return finish(e, Call(args, kwargs, slot), out)
                 # outside except: eager's error unchained
                 return recover(e, Call(args, kwargs, slot), failure)
-            if gate.disabled or clock() < gate.eager_until:  # kill switch, rolled back: eager
+            if gate.eager or clock() < gate.eager_until:  # kill switch, rolled back: eager
                 try:
-                    return fn(*args, **kwargs) if kwargs else fn(*args)
-                finally:
-                    new_slot().eager += 1
+                    slot = local.slot
+                except AttributeError:
+                    slot = new_slot()
+                slot.eager += 1  # counted first: a call eager raises in counts too
+                return fn(*args, **kwargs) if kwargs else fn(*args)
             return call_slow(e, args, kwargs)
         except Exception as exc:
             raise without_our_frames(exc)  # noqa: B904 - the user's error, kept unchained
@@ -226,11 +228,13 @@ def _bucketed_entrypoint(e: Engine) -> Callable[..., Any]:  # noqa: PLR0915 - on
                                 return out
                             return finish(e, Call(args, kwargs, slot, plan=plan, entry=entry), out)
                         return recover(e, Call(args, kwargs, slot, plan=plan, entry=entry), failure)
-            elif gate.disabled or clock() < gate.eager_until:  # kill switch, rolled back: eager
+            elif gate.eager or clock() < gate.eager_until:  # kill switch, rolled back: eager
                 try:
-                    return fn(*args, **kwargs) if kwargs else fn(*args)
-                finally:
-                    new_slot().eager += 1
+                    slot = local.slot
+                except AttributeError:
+                    slot = new_slot()
+                slot.eager += 1  # counted first: a call eager raises in counts too
+                return fn(*args, **kwargs) if kwargs else fn(*args)
             return call_slow(e, args, kwargs)
         except Exception as exc:
             raise without_our_frames(exc)  # noqa: B904 - the user's error, kept unchained

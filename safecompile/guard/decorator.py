@@ -24,7 +24,6 @@ from safecompile.base.model import EventKind
 from safecompile.base.options import Options
 from safecompile.base.policies import Buckets, Warmup
 from safecompile.observe.log import torch_missing
-from safecompile.observe.source import without_our_frames
 from safecompile.observe.telemetry import Telemetry
 from safecompile.persist.remote import activate as activate_remote_cache
 from safecompile.shapes.buckets import Bucketer, Strategy, resolve_strategy
@@ -50,25 +49,23 @@ class Guarded(Protocol):
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
 
 
-class _ModuleForward:
+class _ModuleForward(functools.partial[Any]):
     """A guarded module's ``forward`` (an instance attribute, so the class is untouched).
 
-    A deep copy or a pickle of the module gets its class's plain ``forward`` back: the
-    copy is an ordinary, unguarded module (guard it again if you want).
+    A ``functools.partial`` of the guarded function with nothing bound: ``Module.__call__``
+    reaches the guarded function through C, without a frame of ours. A deep copy or a
+    pickle of the module gets its class's plain ``forward`` back: the copy is an ordinary,
+    unguarded module (guard it again if you want).
     """
 
-    __slots__ = ("__wrapped__", "_call", "safecompile")
+    safecompile: Controller
+    __wrapped__: Callable[..., Any]
 
-    def __init__(self, controller: Controller, forward: Callable[..., Any]) -> None:
-        self._call = entrypoint(controller._engine)
+    def __new__(cls, controller: Controller, forward: Callable[..., Any]) -> _ModuleForward:
+        self = super().__new__(cls, entrypoint(controller._engine))
         self.safecompile = controller
         self.__wrapped__ = forward
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return self._call(*args, **kwargs)
-        except Exception as exc:
-            raise without_our_frames(exc)  # noqa: B904 - eager's error, kept unchained
+        return self
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Any:
         module = self.safecompile._engine.module
