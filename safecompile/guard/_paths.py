@@ -14,8 +14,9 @@ return. Everything else is a slow path, handed the :class:`~.engine.Engine` and 
 - :func:`call_slow`: the gate is closed (a trial due, rollout, a compile or warmup in
   flight, nothing compiled yet), or a bucket still needs verifying.
 
-With the kill switch on, or rolled back with no trial due yet (one clock read against
-``gate.eager_until``), the hot path itself serves eager, as the slow path would.
+With the kill switch on, or rolled back with no trial to come (``gate.eager``: no clock
+read), or none due yet (one clock read against ``gate.eager_until``), the hot path itself
+serves eager, as the slow path would, and counts it in the thread's slot.
 """
 
 from __future__ import annotations
