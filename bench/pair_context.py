@@ -16,6 +16,7 @@ thread). ``--warm`` runs one untimed eager call (another shape) just before each
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import statistics
 import sys
@@ -31,6 +32,7 @@ from overhead import own_code
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import safecompile.checks.speed as speed_mod
+import safecompile.guard._engine as engine_mod
 import safecompile.guard._paths as paths_mod
 from safecompile import Rollback, safe_compile
 
@@ -38,8 +40,11 @@ Shape = tuple[int, int]
 Pair = tuple[Shape, float, Shape, float]  # compiled's shape and seconds, eager's
 
 
-def instrument(pairs: list[Pair], timed: list[tuple[speed_mod.Step, Shape, float]]) -> None:
-    """Log every timed call's shape and time, and every completed pair; keep measuring."""
+def instrument(
+    pairs: list[Pair], timed: list[tuple[speed_mod.Step, Shape, float]], sent: list[int]
+) -> None:
+    """Log every timed call's shape and time, and every completed pair; count the calls the
+    verdict took (timed or sent to eager, ``sent[0]``); keep measuring."""
     shape: list[Shape] = [(0, 0)]
     planned: list[tuple[speed_mod.Step, Shape]] = []
     call_key, plan, record = (
@@ -56,6 +61,8 @@ def instrument(pairs: list[Pair], timed: list[tuple[speed_mod.Step, Shape, float
     def planned_step(self: speed_mod.CallSpeed, key: Hashable) -> speed_mod.Step:
         step = plan(self, key)
         if step is not speed_mod.Step.UNTIMED:
+            sent[0] += 1
+        if step in (speed_mod.Step.TIME_EAGER, speed_mod.Step.TIME_COMPILED):
             planned.append((step, shape[0]))
         return step
 
@@ -79,20 +86,8 @@ def instrument(pairs: list[Pair], timed: list[tuple[speed_mod.Step, Shape, float
     speed_mod.CallSpeed._conclude = keep_measuring  # type: ignore[method-assign]
 
 
-def warm_probes(traffic: list[Any]) -> None:
-    """One untimed eager call of another shape right before each probe (a prototype)."""
-    probe = paths_mod._probe
-    turn = iter(range(10**9))
-
-    def warmed(e: Any, call: Any) -> Any:
-        args, kwargs = traffic[next(turn) % len(traffic)]
-        e.fn(*args, **kwargs)
-        return probe(e, call)
-
-    paths_mod._probe = warmed
-
-
 def read(pairs: list[Pair], medians: dict[str, dict[Shape, float]], label: str) -> None:
+    pairs = [p for p in pairs if p[0] in medians["compiled"] and p[2] in medians["eager"]]
     if not pairs:
         print(f"{label}: no pairs")
         return
@@ -132,20 +127,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="inductor")
     parser.add_argument("--rounds", type=int, default=30)
-    parser.add_argument("--warm", action="store_true", help="an eager call before each probe")
+    parser.add_argument("--settle", type=int, help="the policy's settle (default: its own)")
+    parser.add_argument("--shuffle", action="store_true", help="each round in a new order")
     parser.add_argument("--no-context", action="store_true", help="skip the context table")
     args = parser.parse_args()
     torch.set_num_threads(1)
     traffic = variable_traffic(False)
+    if args.settle is not None:
+        engine_mod.SpeedPolicy = functools.partial(speed_mod.SpeedPolicy, settle=args.settle)
     model = Block(64, 4).eval()
     guarded = safe_compile(
         own_code(model, "pairs"), backend=args.backend, rollback=Rollback(slower_ratio=100.0)
     )
     pairs: list[Pair] = []
     timed: list[tuple[speed_mod.Step, Shape, float]] = []
-    instrument(pairs, timed)
-    if args.warm:
-        warm_probes(traffic)
+    sent = [0]
+    instrument(pairs, timed, sent)
     times: dict[str, dict[Shape, list[float]]] = {"eager": {}, "compiled": {}}
     totals: dict[str, float] = {"eager": 0.0, "compiled": 0.0}
     with torch.no_grad():
@@ -156,18 +153,20 @@ def main() -> None:
         pairs.clear()
         for r in range(args.rounds):
             order = [("eager", model), ("compiled", guarded)]
+            shuffled = random.Random(r).sample(traffic, len(traffic)) if args.shuffle else traffic
             for arm, fn in order if r % 2 else order[::-1]:
-                for call_args, kwargs in traffic:
-                    seen, start = len(timed), time.thread_time()
+                for call_args, kwargs in shuffled:
+                    seen, start = sent[0], time.thread_time()
                     fn(*call_args, **kwargs)
                     spent = time.thread_time() - start
                     totals[arm] += spent
-                    if len(timed) == seen:  # neither timed nor a probe
+                    if sent[0] == seen:  # neither timed nor sent to eager
                         shape = (call_args[0].shape[0], call_args[0].shape[1])
                         times[arm].setdefault(shape, []).append(spent)
         medians = {arm: {s: statistics.median(v) for s, v in d.items()} for arm, d in times.items()}
         print(f"rounds: compiled / eager summed {totals['compiled'] / totals['eager']:.3f}")
         shapes = [(a[0].shape[0], a[0].shape[1]) for a, _ in traffic]
+        shapes = [s for s in shapes if s in medians["compiled"]]  # some: every call timed
         by_shape = sum(medians["compiled"][s] for s in shapes) / sum(
             medians["eager"][s] for s in shapes
         )

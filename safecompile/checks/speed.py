@@ -14,6 +14,7 @@ import enum
 import functools
 import itertools
 import math
+import random
 import statistics
 import threading
 import time
@@ -46,19 +47,23 @@ class SpeedPolicy:
 
     ratio: float  # compiled / eager above this: eager wins
     min_pairs: int = 16
-    max_pairs: int = 128
+    max_pairs: int = 128  # the last read, unless it leans eager: then on to most_pairs
+    most_pairs: int = 512
     warm_calls: int = 128  # first calls never timed (warm-up, canary)
     stride: int = 8  # calls from one pair's start to the next within a round
+    settle: int = 2  # a timed call follows this many calls of its own arm (docs/speed.md)
     budget: float = 0.01  # share of calls on the arm that is not serving, at steady state
     max_backoff: int = 64  # the gap between rounds grows up to this many times
     confidence: float = 0.99  # per look
 
     def __post_init__(self) -> None:  # Rollback checks what users pass; this, the defaults
-        counts = (self.min_pairs, self.max_pairs, self.stride, self.max_backoff)
-        if not all(type(v) is int and v >= 1 for v in counts) or self.max_pairs < self.min_pairs:
-            raise ValueError(f"min_pairs <= max_pairs, stride, max_backoff: ints >= 1: {self}")
-        if type(self.warm_calls) is not int or self.warm_calls < 0:
-            raise ValueError(f"warm_calls must be an int >= 0: {self}")
+        counts = (self.min_pairs, self.max_pairs, self.most_pairs, self.stride, self.max_backoff)
+        if not all(type(v) is int and v >= 1 for v in counts) or not (
+            self.min_pairs <= self.max_pairs <= self.most_pairs
+        ):
+            raise ValueError(f"min <= max <= most_pairs, stride, max_backoff: ints >= 1: {self}")
+        if not all(type(v) is int and v >= 0 for v in (self.warm_calls, self.settle)):
+            raise ValueError(f"warm_calls, settle must be ints >= 0: {self}")
         if not (math.isfinite(self.ratio) and self.ratio > 0):
             raise ValueError(f"ratio must be a finite number > 0: {self}")
         if not (0.0 < self.budget <= 1.0 and 0.5 <= self.confidence < 1.0):
@@ -126,39 +131,44 @@ def decide(
     valid = _valid(pairs)
     n = len(valid)
     multiple, rest = divmod(n, policy.min_pairs)  # looks: min_pairs, its doublings, max_pairs
-    if n < policy.max_pairs and not (multiple > 0 and rest == 0 and multiple & (multiple - 1) == 0):
+    doubling = multiple > 0 and rest == 0 and multiple & (multiple - 1) == 0
+    if not (doubling or n == policy.max_pairs or n >= policy.most_pairs):
         return Decision(None, math.nan, math.nan, math.nan, n, math.nan)  # not read
     found = ratios(valid)
     low, middle, high = median_interval(ratios(runs(valid, 16)), policy.confidence)
     median = statistics.median(found)
     last = n >= policy.max_pairs
-    by_time = _read((low, middle, high), policy, last)
-    by_call = _read(median_interval(found, policy.confidence), policy, last)
+    more = n < policy.most_pairs  # a last read that leans eager reads on
+    by_time = _read((low, middle, high), policy, last, more)
+    by_call = _read(median_interval(found, policy.confidence), policy, last, more)
     # either may roll back, unless runs of 8 pairs say compiled is not slower at all
     slower = statistics.median(ratios(runs(valid, max(1, n // 8)))) > 1.0
     verdict: bool | None = None
     if ((by_time or by_call) and slower) or (last and current_eager):
         verdict = True
-    elif last or (by_time is False and by_call is False):
+    elif (last and None not in (by_time, by_call)) or (by_time is False and by_call is False):
         verdict = False
     return Decision(verdict, middle, low, high, n, median)
 
 
-def _read(interval: tuple[float, float, float], policy: SpeedPolicy, last: bool) -> bool | None:
+def _read(
+    interval: tuple[float, float, float], policy: SpeedPolicy, last: bool, more: bool
+) -> bool | None:
     low, middle, high = interval  # one interval's verdict: the table in docs/speed.md
     if low > policy.ratio:
         return True
     if high <= policy.ratio:
         return False
-    if last:  # the median decides, but no rollback unless eager is faster at all
-        return middle > policy.ratio and low > 1.0
-    return None
+    if not last or (more and middle > policy.ratio and low <= 1.0):
+        return None  # measuring on: before the last read, or a last read that leans eager
+    return middle > policy.ratio and low > 1.0  # no rollback unless eager is faster at all
 
 
 class Step(enum.Enum):
     """What one call does, as the verdict plans it."""
 
     UNTIMED = "untimed"  # the serving path, untimed
+    EAGER = "eager"  # the original function, untimed: it settles the eager arm for a probe
     TIME_COMPILED = "time_compiled"  # the compiled path, timed
     TIME_EAGER = "time_eager"  # a probe: the original function, timed
 
@@ -189,6 +199,10 @@ class CallSpeed:
         self._half: _Half | None = None
         self._in_flight = False  # a timed call is out (one at a time, across threads)
         self._eager_first = False  # which arm opens the next pair (alternates)
+        self._random = random.Random(0)  # the gaps between pairs: reproducible
+        self._eager_at = -1  # the count of the last call sent to eager
+        self._eager_run = 0  # eager calls in a row up to it
+        self._sent = 0  # calls sent to eager in this round (the gap to the next)
         self._pairs: list[tuple[float, float]] = []
         self._agreeing = 0  # rounds in a row with the same verdict (the backoff)
         self.rounds = 0
@@ -204,6 +218,7 @@ class CallSpeed:
                 self.measuring = True
                 self._pairs = []
                 self._half = None
+                self._sent = 0
                 self._open_at = self.calls
             return self._left()
 
@@ -221,23 +236,31 @@ class CallSpeed:
         return max(left, 0)
 
     def plan(self, key: Hashable) -> Step:
-        """What this call (already counted) does; a pair's two calls share ``key``."""
+        """What this call (already counted) does; a pair's two calls share ``key``. A call
+        is timed only after ``settle`` calls of its arm in a row: for a probe, untimed eager
+        calls (:attr:`Step.EAGER`, any group) run first; a compiled one waits for them."""
         with self._lock:
             if not self.measuring or self._in_flight or self._left() > 0:
                 return Step.UNTIMED
             half = self._half
+            eager = self._eager_first if half is None else not half.eager
+            before = self.calls - 1 - self._eager_at  # compiled calls in a row before this one
+            run = (self._eager_run if before == 0 else 0) if eager else before
+            if run < self.policy.settle or (half is not None and half.key != key):
+                return self._send(Step.EAGER) if eager and self.policy.settle else Step.UNTIMED
             if half is None:
-                eager = self._eager_first
                 self._eager_first = not eager
                 self._half = _Half(key, eager, self.calls)
-            elif half.key != key:
-                return Step.UNTIMED  # waiting for the partner of the open half
-            else:
-                eager = not half.eager
             self._in_flight = True
-            if eager:
-                self.probes += 1
-            return Step.TIME_EAGER if eager else Step.TIME_COMPILED
+            return self._send(Step.TIME_EAGER) if eager else Step.TIME_COMPILED
+
+    def _send(self, step: Step) -> Step:
+        """A call sent to eager (under the lock): it extends the run of eager calls."""
+        self._eager_run = self._eager_run + 1 if self._eager_at == self.calls - 1 else 1
+        self._eager_at = self.calls
+        self.probes += 1
+        self._sent += 1
+        return step
 
     def abandon(self) -> None:
         """A timed call could not be timed (it raised, compiled, ran eagerly): drop its pair."""
@@ -260,7 +283,9 @@ class CallSpeed:
                     self._half = None
                     pair = (seconds, half.seconds) if half.eager else (half.seconds, seconds)
                     self._pairs.append(pair)
-                    self._open_at = half.at + self.policy.stride
+                    # the next pair a random 1 to 2 strides - 1 on: no pairing locked to a
+                    # cycle in the traffic (a schedule that repeats pairs the same calls)
+                    self._open_at = half.at + self._random.randrange(1, 2 * self.policy.stride)
                     verdict = decide(self._pairs, self.policy)
                     if verdict.eager is not None:
                         self._conclude(verdict)
@@ -276,7 +301,7 @@ class CallSpeed:
         self.rounds += 1
         self.last = decision
         backoff = min(2 ** min(self._agreeing, 62), self.policy.max_backoff)
-        self._round_at = self.calls + math.ceil(decision.pairs / self.policy.budget) * backoff
+        self._round_at = self.calls + math.ceil(self._sent / self.policy.budget) * backoff
 
     def restart(self) -> None:
         """Measure from scratch after the warm-up (the compiled path serves again)."""

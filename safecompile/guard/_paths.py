@@ -449,6 +449,8 @@ def _call_compiled(e: Engine, call: Call, *, force: bool) -> Any:
         step = _plan_speed(e, call)
         if step is Step.TIME_EAGER:
             return _probe(e, call)
+        if step is Step.EAGER:  # a call that settles the eager arm before a probe
+            return eager(e, call)
     slot.begin()
     slot.force = force
     slot.call = call
