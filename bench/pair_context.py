@@ -7,10 +7,12 @@ verdict kept measuring (every round read as "compiled" and the next started at o
 slower_ratio of 100 and a patched backoff), interleaved round by round with eager itself.
 Each timed call is logged with its (batch, seq); each pair's compiled and eager time is set
 against the median of the same shape's untimed calls in the rounds (thread CPU time, one
-thread). ``--warm`` runs one untimed eager call (another shape) just before each probe.
+thread); calls the verdict took (timed, or sent to eager to settle a probe) are left out
+of the rounds' times. ``--settle K`` sets how many calls of its arm a timed call follows
+(the policy's own default otherwise); ``--shuffle`` runs each round in a new order.
 
     python bench/pair_context.py                   # inductor: ~1 min at load 2
-    python bench/pair_context.py --warm --no-context
+    python bench/pair_context.py --settle 0 --no-context
 """
 
 from __future__ import annotations
