@@ -195,16 +195,17 @@ def _first_verdicts(compiled: float, seeds: int = 10) -> list[Decision]:
 def test_noisy_pairs_still_roll_back_twelve_percent_slower() -> None:
     """Compiled 12% slower under that noise: the interval alone decided 1 seed in 10 (the
     rest stayed compiled); the last read rolled back 9 in 10; reading on past 128 pairs
-    when the last read leans eager, 10 in 10, all at 128 pairs or more."""
+    when the last read leans eager, 10 in 10 (2 at 256 pairs)."""
     verdicts = _first_verdicts(1.12)
     assert sum(bool(d.eager) for d in verdicts) == 10
-    assert sum(bool(d.eager) and d.pairs >= 128 for d in verdicts) == 10
+    assert sum(bool(d.eager) and d.pairs > 128 for d in verdicts) == 2
 
 
 @pytest.mark.parametrize("compiled", [0.97, 1.0])
 def test_noisy_pairs_keep_a_path_as_fast_as_eager(compiled: float) -> None:
-    """The same noise, compiled as fast as eager or 3% faster: never rolled back."""
-    assert not any(d.eager for d in _first_verdicts(compiled))
+    """The same noise, compiled as fast as eager or 3% faster: at most 1 seed in 100 rolls
+    back (the bound where compiled is as fast: 1% a read; 3% faster: none)."""
+    assert sum(bool(d.eager) for d in _first_verdicts(compiled, seeds=100)) <= (compiled == 1.0)
 
 
 def test_runs_sum_consecutive_pairs() -> None:
@@ -233,21 +234,18 @@ def _two_kinds(small: float, big: float, seed: int, share: float) -> Decision:
 
 def test_the_traffic_rolls_back_where_the_median_call_is_faster() -> None:
     """Most calls 2% faster compiled, the big ones 10% slower: the median pair favours
-    compiled, but the traffic takes ~8% more time compiled, and rolls back (9 seeds in 10:
-    the 16-pair read of the other, a run a pair, saw few of the big calls)."""
+    compiled, but the traffic takes ~8% more time compiled, and rolls back."""
     verdicts = [_two_kinds(0.98, 11.0, seed, share=0.6) for seed in range(10)]
-    assert sum(d.median == pytest.approx(0.98) for d in verdicts) == 9
-    rolled_back = [d for d in verdicts if d.eager]
-    assert len(rolled_back) == 9
-    assert all(d.ratio > 1.05 for d in rolled_back)
+    assert all(d.median < 1.05 for d in verdicts)  # 0.98 in 8, 1.04 in 2
+    assert all(d.eager for d in verdicts)
+    assert all(d.ratio > 1.05 for d in verdicts)
 
 
 def test_compiled_faster_in_total_stays_though_most_calls_are_slower() -> None:
     """Most calls 20% slower compiled, the big ones 20% faster: the traffic takes ~15% less
-    time compiled, and stays compiled in 19 seeds of 20 (the median pair alone rolled back
-    8 in 20; the one: its 16-pair read, a run a pair, saw few of the big calls)."""
+    time compiled, and stays compiled (the median pair alone rolled back 8 seeds in 20)."""
     verdicts = [_two_kinds(1.2, 8.0, seed, share=0.6) for seed in range(20)]
-    assert [d.pairs for d in verdicts if d.eager] == [16]
+    assert not any(d.eager for d in verdicts)
 
 
 @pytest.fixture
@@ -319,8 +317,8 @@ def test_compiled_three_percent_slower_stays() -> None:
     assert decision.ratio == pytest.approx(1.03)
     assert decision.pairs == 16
     assert not sim.rolled_back
-    assert sim.log[:at].count("eager") == 16 * 3  # each probe after 2 eager calls
-    assert set(sim.log[at : at + 4790]) == {"compiled"}  # nothing probed until the next round
+    assert sim.log[:at].count("eager") == 16 * 2  # each probe after an eager call
+    assert set(sim.log[at : at + 3190]) == {"compiled"}  # nothing probed until the next round
 
 
 @pytest.mark.parametrize("slower", [1.10, 2.0])
@@ -382,15 +380,18 @@ def test_a_half_pair_without_partner_expires() -> None:
 
 def test_a_timed_call_follows_calls_of_its_own_arm() -> None:
     """A call's time depends on the arm that ran just before it (docs/speed.md): a probe
-    runs after 2 untimed eager calls, a timed compiled call after 2 compiled calls."""
-    sim = Sim(_policy(), compiled=_const(1.0), eager=_const(1.0), key=lambda n: n % 3)
-    sim.calls(3000)
-    steps = sim.steps
-    probes = [i for i, step in enumerate(steps) if step is Step.TIME_EAGER]
-    timed = [i for i, step in enumerate(steps) if step is Step.TIME_COMPILED]
-    assert len(probes) >= 16
-    assert all(sim.log[i - 2 : i] == ["eager"] * 2 for i in probes)
-    assert all(sim.log[i - 2 : i] == ["compiled"] * 2 for i in timed)
+    runs after an untimed eager call, a timed compiled call after a compiled call; with
+    settle=2, after 2 of them."""
+    for settle in (1, 2):
+        policy = _policy(settle=settle)
+        sim = Sim(policy, compiled=_const(1.0), eager=_const(1.0), key=lambda n: n % 3)
+        sim.calls(3000)
+        steps = sim.steps
+        probes = [i for i, step in enumerate(steps) if step is Step.TIME_EAGER]
+        timed = [i for i, step in enumerate(steps) if step is Step.TIME_COMPILED]
+        assert len(probes) >= 16
+        assert all(sim.log[i - settle : i] == ["eager"] * settle for i in probes)
+        assert all(sim.log[i - settle : i] == ["compiled"] * settle for i in timed)
 
 
 def test_pairs_do_not_lock_to_a_cycle_in_the_traffic() -> None:
@@ -451,7 +452,7 @@ def test_rounds_back_off() -> None:
     # doubling, then the next round's own span (16 pairs at most 2 strides apart)
     sent = [sim.log[a:b].count("eager") for a, b in itertools.pairwise([0, *at[:-1]])]
     assert len(gaps) == 3
-    assert all(16 < n <= 16 * 3 for n in sent)
+    assert all(16 < n <= 16 * 2 for n in sent)
     spans = [gap - 100 * n * 2**i for i, (gap, n) in enumerate(zip(gaps, sent, strict=True))]
     assert all(0 < span <= 16 * 2 * 8 for span in spans)
 
@@ -574,7 +575,7 @@ def test_a_slower_call_rolls_back(spending: FakeClock) -> None:
     assert verdict.function == "two_graphs"
     stats = c.stats()
     assert stats.calls == stats.compiled_calls + stats.eager_calls == 400
-    assert stats.extra["speed"]["probes"] == 16 * 3  # each probe after 2 eager calls
+    assert stats.extra["speed"]["probes"] == 16 * 2  # each probe after an eager call
 
 
 def test_a_faster_call_stays_compiled(spending: FakeClock) -> None:

@@ -51,7 +51,7 @@ class SpeedPolicy:
     most_pairs: int = 512
     warm_calls: int = 128  # first calls never timed (warm-up, canary)
     stride: int = 8  # calls from one pair's start to the next within a round
-    settle: int = 2  # a timed call follows this many calls of its own arm (docs/speed.md)
+    settle: int = 1  # a timed call follows this many calls of its own arm (docs/speed.md)
     budget: float = 0.01  # share of calls on the arm that is not serving, at steady state
     max_backoff: int = 64  # the gap between rounds grows up to this many times
     confidence: float = 0.99  # per look
@@ -141,10 +141,12 @@ def decide(
     more = n < policy.most_pairs  # a last read that leans eager reads on
     by_time = _read((low, middle, high), policy, last, more)
     by_call = _read(median_interval(found, policy.confidence), policy, last, more)
-    # either may roll back, unless runs of 8 pairs say compiled is not slower at all
+    # either may roll back (past max_pairs: both), unless runs of 8 pairs say compiled is
+    # not slower at all
+    says = (by_time and by_call) if n > policy.max_pairs else (by_time or by_call)
     slower = statistics.median(ratios(runs(valid, max(1, n // 8)))) > 1.0
     verdict: bool | None = None
-    if ((by_time or by_call) and slower) or (last and current_eager):
+    if (says and slower) or (last and current_eager):
         verdict = True
     elif (last and None not in (by_time, by_call)) or (by_time is False and by_call is False):
         verdict = False
