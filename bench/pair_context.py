@@ -44,9 +44,9 @@ Pair = tuple[Shape, float, Shape, float]  # compiled's shape and seconds, eager'
 
 def instrument(
     pairs: list[Pair], timed: list[tuple[speed_mod.Step, Shape, float]], sent: list[int]
-) -> None:
+) -> Callable[[], None]:
     """Log every timed call's shape and time, and every completed pair; count the calls the
-    verdict took (timed or sent to eager, ``sent[0]``); keep measuring."""
+    verdict took (timed or sent to eager, ``sent[0]``); keep measuring. Returns the undo."""
     shape: list[Shape] = [(0, 0)]
     planned: list[tuple[speed_mod.Step, Shape]] = []
     call_key, plan, record = (
@@ -87,6 +87,14 @@ def instrument(
     speed_mod.CallSpeed.record = recorded  # type: ignore[method-assign]
     speed_mod.CallSpeed._conclude = keep_measuring  # type: ignore[method-assign]
 
+    def undo() -> None:
+        paths_mod.call_key = call_key
+        speed_mod.CallSpeed.plan = plan  # type: ignore[method-assign]
+        speed_mod.CallSpeed.record = record  # type: ignore[method-assign]
+        speed_mod.CallSpeed._conclude = conclude  # type: ignore[method-assign]
+
+    return undo
+
 
 def read(pairs: list[Pair], medians: dict[str, dict[Shape, float]], label: str) -> None:
     pairs = [p for p in pairs if p[0] in medians["compiled"] and p[2] in medians["eager"]]
@@ -125,6 +133,42 @@ def context(model: Callable[..., Any], guarded: Callable[..., Any], traffic: lis
         print(f"{arm} after {k} {before}: {statistics.median(values):.3f} (n={len(values)})")
 
 
+def replay(traffic: list[Any], times: dict[str, dict[Shape, list[float]]], seeds: int) -> None:
+    """The verdict's first round on the traffic's own per-call times (each shape's untimed
+    calls in the rounds, drawn at random), compiled scaled to a given summed-time ratio: in
+    how many seeds it rolls back (the traffic in its order from a random call, as
+    ``bench/compare.py`` sends it; what a call costs does not depend on the one before)."""
+    calls = [
+        (shape, paths_mod.call_key(a, k, None, None))
+        for a, k in traffic
+        if (shape := (a[0].shape[0], a[0].shape[1])) in times["compiled"]
+    ]
+    total = {arm: sum(statistics.mean(times[arm][s]) for s, _ in calls) for arm in times}
+    policy = engine_mod.SpeedPolicy(ratio=1.05)
+    print(f"replay, {seeds} seeds, {len(calls)} shapes, {policy}")
+    for ratio in (1.0, 1.03, 1.05, 1.08, 1.11):
+        scale = ratio * total["eager"] / total["compiled"]
+        found = []
+        for seed in range(seeds):
+            rng, speed = random.Random(seed), speed_mod.CallSpeed(policy)
+            start, decision = rng.randrange(len(calls)), None
+            while decision is None and speed.calls < 100_000:
+                shape, key = calls[(start + speed.calls) % len(calls)]
+                step = speed.plan(key) if speed.wants else speed_mod.Step.UNTIMED
+                if step is speed_mod.Step.TIME_EAGER:
+                    decision = speed.record(step, rng.choice(times["eager"][shape]))
+                elif step is speed_mod.Step.TIME_COMPILED:
+                    decision = speed.record(step, scale * rng.choice(times["compiled"][shape]))
+                speed.add(1)
+            found.append((decision, speed.probes))
+        rolled = sum(bool(d and d.eager) for d, _ in found)
+        pairs = statistics.mean(d.pairs for d, _ in found if d)
+        sent = statistics.mean(p for _, p in found)
+        print(
+            f"| {ratio:.2f} | {rolled} / {seeds} | {pairs:.0f} pairs | {sent:.0f} sent to eager |"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="inductor")
@@ -132,6 +176,7 @@ def main() -> None:
     parser.add_argument("--settle", type=int, help="the policy's settle (default: its own)")
     parser.add_argument("--shuffle", action="store_true", help="each round in a new order")
     parser.add_argument("--no-context", action="store_true", help="skip the context table")
+    parser.add_argument("--replay", type=int, default=0, help="seeds of the replay (0: none)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     traffic = variable_traffic(False)
@@ -144,7 +189,7 @@ def main() -> None:
     pairs: list[Pair] = []
     timed: list[tuple[speed_mod.Step, Shape, float]] = []
     sent = [0]
-    instrument(pairs, timed, sent)
+    undo = instrument(pairs, timed, sent)
     times: dict[str, dict[Shape, list[float]]] = {"eager": {}, "compiled": {}}
     totals: dict[str, float] = {"eager": 0.0, "compiled": 0.0}
     with torch.no_grad():
@@ -177,6 +222,9 @@ def main() -> None:
         read([p for p in pairs if p[0] == p[2]], medians, "same-shape pairs")
         if not args.no_context:
             context(model, guarded, traffic)
+    undo()
+    if args.replay:
+        replay(traffic, times, args.replay)
 
 
 if __name__ == "__main__":
