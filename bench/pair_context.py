@@ -133,7 +133,9 @@ def context(model: Callable[..., Any], guarded: Callable[..., Any], traffic: lis
         print(f"{arm} after {k} {before}: {statistics.median(values):.3f} (n={len(values)})")
 
 
-def replay(traffic: list[Any], times: dict[str, dict[Shape, list[float]]], seeds: int) -> None:
+def replay(
+    traffic: list[Any], times: dict[str, dict[Shape, list[float]]], seeds: int, **policy: Any
+) -> None:
     """The verdict's first round on the traffic's own per-call times (each shape's untimed
     calls in the rounds, drawn at random), compiled scaled to a given summed-time ratio: in
     how many seeds it rolls back (the traffic in its order from a random call, as
@@ -144,13 +146,13 @@ def replay(traffic: list[Any], times: dict[str, dict[Shape, list[float]]], seeds
         if (shape := (a[0].shape[0], a[0].shape[1])) in times["compiled"]
     ]
     total = {arm: sum(statistics.mean(times[arm][s]) for s, _ in calls) for arm in times}
-    policy = engine_mod.SpeedPolicy(ratio=1.05)
-    print(f"replay, {seeds} seeds, {len(calls)} shapes, {policy}")
+    rule = speed_mod.SpeedPolicy(ratio=1.05, **policy)
+    print(f"replay, {seeds} seeds, {len(calls)} shapes, {rule}")
     for ratio in (1.0, 1.03, 1.05, 1.08, 1.11):
         scale = ratio * total["eager"] / total["compiled"]
         found = []
         for seed in range(seeds):
-            rng, speed = random.Random(seed), speed_mod.CallSpeed(policy)
+            rng, speed = random.Random(seed), speed_mod.CallSpeed(rule)
             start, decision = rng.randrange(len(calls)), None
             while decision is None and speed.calls < 100_000:
                 shape, key = calls[(start + speed.calls) % len(calls)]
@@ -181,7 +183,8 @@ def main() -> None:
     torch.set_num_threads(1)
     traffic = variable_traffic(False)
     if args.settle is not None:
-        engine_mod.SpeedPolicy = functools.partial(speed_mod.SpeedPolicy, settle=args.settle)
+        settle = functools.partial(speed_mod.SpeedPolicy, settle=args.settle)
+        engine_mod.SpeedPolicy = settle  # type: ignore[attr-defined,assignment]
     model = Block(64, 4).eval()
     guarded = safe_compile(
         own_code(model, "pairs"), backend=args.backend, rollback=Rollback(slower_ratio=100.0)
@@ -224,7 +227,9 @@ def main() -> None:
             context(model, guarded, traffic)
     undo()
     if args.replay:
-        replay(traffic, times, args.replay)
+        replay(
+            traffic, times, args.replay, **({} if args.settle is None else {"settle": args.settle})
+        )
 
 
 if __name__ == "__main__":
