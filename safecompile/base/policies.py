@@ -480,7 +480,7 @@ class Rollback:
 
     The speed verdict (``slower_ratio``) times the whole call the user makes against the
     original function, on paired live calls: a bounded share of them (at most 1% at
-    steady state, at most 128 pairs a verdict), measured again later with backoff
+    steady state, at most 512 pairs a verdict), measured again later with backoff
     (docs/speed.md). After a trip the compiled path is tried again with one call (a
     half-open trial). With ``safe_compile(group=...)``, ranks agree on trips at safe
     points and at ``sync()`` (docs/fleet.md, "Ranks that agree").
@@ -511,7 +511,7 @@ class Rollback:
         check("sync_every", self.sync_every, minimum=1, integer=True)
         check("sync_timeout", self.sync_timeout, minimum=0.0, strict=True, maximum=_WEEK)
         check("slower_ratio", self.slower_ratio, minimum=1.0, optional=True)
-        # the speed verdict reads at most 128 pairs (SpeedPolicy.max_pairs)
+        # the speed verdict's last read is at 128 pairs (SpeedPolicy.max_pairs)
         check("slower_min_samples", self.slower_min_samples, minimum=1, maximum=128, integer=True)
         check("retry_after", self.retry_after, minimum=0.0, optional=True)
         check("max_retry_after", self.max_retry_after, minimum=0.0, strict=True)
