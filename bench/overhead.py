@@ -1,7 +1,8 @@
 """Per-call cost of the guard, side by side in one run.
 
-For a tiny function (``x + 1`` on 4 elements) and a small MLP (3x Linear(512), batch 1),
-measures the median per-call time of:
+For a tiny function (``x + 1`` on 4 elements), the same as a module (what a guarded
+module adds: ``Module.__call__``) and a small MLP (3x Linear(512), batch 1), measures the
+median per-call time of:
 
 - plain eager,
 - the bare ``torch.compile``'d function (for the MLP: a copy whose ``forward`` is replaced
@@ -60,6 +61,13 @@ WRAPPED = "the guard's compiled function, no guard frame"
 
 def tiny(x: torch.Tensor) -> torch.Tensor:
     return x + 1
+
+
+class Tiny(torch.nn.Module):
+    """``x + 1`` as a module: what a guarded module adds over a guarded function."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
 
 
 CLOCKS: dict[str, Callable[[], float]] = {"thread": time.thread_time, "wall": time.perf_counter}
@@ -213,8 +221,9 @@ def main() -> None:
         f"{os.getloadavg()[0]:.2f} at start"
     )
     cases = {
-        "tiny (x + 1, 4 elements)": (tiny, torch.randn(4)),
-        "MLP 3x512, batch 1": (MLP().eval(), torch.randn(1, 512)),
+        "tiny (x + 1, 4 elements)": ("tiny", tiny, torch.randn(4)),
+        "tiny module (x + 1, 4 elements)": ("tiny_module", Tiny(), torch.randn(4)),
+        "MLP 3x512, batch 1": ("MLP", MLP().eval(), torch.randn(1, 512)),
     }
     print(
         "\n| case | eager | bare compiled | guarded | kill switch on | guard - bare "
@@ -222,11 +231,11 @@ def main() -> None:
         "\n|---|---|---|---|---|---|---|---|"
     )
     splits: dict[str, list[float]] = {}
-    for label, (fn, x) in cases.items():
-        tiny_case = "tiny" in label
-        calls = args.calls if tiny_case else max(args.calls // 10, 50)
+    for label, (key, fn, x) in cases.items():
+        tiny_case = key == "tiny"  # the --split case
+        calls = args.calls if key.startswith("tiny") else max(args.calls // 10, 50)
         s = run_case(
-            label.split()[0],
+            key,
             fn,
             x,
             backend=args.backend,
