@@ -128,6 +128,43 @@ def test_disable_enable_from_code(x: torch.Tensor) -> None:
     assert b.safecompile.state == State.COMPILED
 
 
+def test_disable_turns_the_hot_path_eager_at_the_next_call(x: torch.Tensor) -> None:
+    """disable() makes every callable's token stale: its next call re-reads the switch
+    (no ``state`` read in between does it for the hot path)."""
+    backend = RecordingBackend()
+    g = safe_compile(inc, backend=backend, shadow=None, name="ranker.inc")
+    g(x)
+    safecompile.disable("ranker.*")
+    torch.testing.assert_close(g(x), x + 1)
+    safecompile.enable()
+    g(x)
+    stats = g.safecompile.stats()
+    assert (stats.compiled_calls, stats.eager_calls, backend.runs) == (2, 1, 2)
+
+
+def test_a_disable_while_the_switch_is_re_read_is_not_lost(
+    monkeypatch: pytest.MonkeyPatch, x: torch.Tensor
+) -> None:
+    """disable() from another thread after a callable read the rules, before it stored the
+    environment value it read: the next call re-reads the switch all the same."""
+    g = safe_compile(inc, backend="eager", shadow=None, name="ranker.inc")
+    g(x)
+    source_of = ks.source_of
+
+    def racing(name: str, value: Any) -> str | None:
+        found = source_of(name, value)  # the rules as they were: enabled
+        monkeypatch.setattr(ks, "source_of", source_of)
+        safecompile.disable()  # lands now, before the re-read stores its token
+        return found
+
+    monkeypatch.setattr(ks, "source_of", racing)
+    monkeypatch.setenv(ENV_VAR, "other.*")  # a new value: the next call re-reads
+    g(x)  # read before the disable(): compiled
+    g(x)
+    stats = g.safecompile.stats()
+    assert (stats.compiled_calls, stats.eager_calls) == (2, 1)
+
+
 def test_enable_does_not_override_environment(
     monkeypatch: pytest.MonkeyPatch, x: torch.Tensor
 ) -> None:

@@ -12,8 +12,10 @@ import fnmatch
 import os
 import re
 import threading
+import weakref
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from safecompile.base.forks import in_forked_child
 
@@ -30,6 +32,7 @@ __all__ = [
     "set_watched",
     "source_of",
     "unwarned_doubts",
+    "watch",
 ]
 
 ENV_VAR = "SAFECOMPILE_DISABLE"
@@ -141,6 +144,15 @@ class _CodeSwitch:
         self.generation = 0
         self.names: set[str] = set()
         self.warned: set[str] = set()
+        self.gates: weakref.WeakSet[Any] = weakref.WeakSet()  # see watch()
+        self.stale = object()  # the token of a gate that must re-read (no environment value)
+
+    def changed(self) -> None:
+        """The code switch changed (under ``lock``): the generation moves, then every
+        watched gate's token goes stale, so its next call re-reads the switch."""
+        self.generation += 1
+        for gate in self.gates:
+            gate.token = self.stale
 
 
 SWITCH = _CodeSwitch()
@@ -149,6 +161,14 @@ SWITCH = _CodeSwitch()
 @in_forked_child
 def _fresh_lock() -> None:
     SWITCH.lock = threading.Lock()  # another thread may have held it at the fork
+
+
+def watch(gate: Any) -> None:
+    """Have ``gate`` (an object with a ``token``: the environment's value it last read)
+    re-read the switch after ``disable()``, ``enable()`` or a watched change, as after an
+    environment change: its hot path compares that one token, nothing more."""
+    with SWITCH.lock:
+        SWITCH.gates.add(gate)
 
 
 def disable(names: str | Iterable[str] = "*") -> None:
@@ -166,14 +186,14 @@ def disable(names: str | Iterable[str] = "*") -> None:
             SWITCH.rule = EVERYTHING
         else:
             SWITCH.rule = Rule(patterns=tuple(dict.fromkeys(SWITCH.rule.patterns + patterns)))
-        SWITCH.generation += 1
+        SWITCH.changed()
 
 
 def enable() -> None:
     """Undo ``disable()``. The environment variable, if set, still applies."""
     with SWITCH.lock:
         SWITCH.rule = NOTHING
-        SWITCH.generation += 1
+        SWITCH.changed()
 
 
 def set_watched(rule: Rule, label: str | None = None) -> bool:
@@ -186,7 +206,7 @@ def set_watched(rule: Rule, label: str | None = None) -> bool:
         if rule == SWITCH.watched:
             return False
         SWITCH.watched = rule
-        SWITCH.generation += 1
+        SWITCH.changed()
         return True
 
 

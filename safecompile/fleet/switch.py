@@ -2,8 +2,9 @@
 absolute path) or a Redis key (``redis://host:port/db#key``, default key
 ``safecompile:disable``) whose text says what ``SAFECOMPILE_DISABLE`` says (one entry a line
 allowed; missing: enabled; unreadable: the last value kept, one warning per outage). A
-daemon thread polls it and hands changes to ``killswitch.set_watched``, which bumps the
-generation the hot path already compares: no added cost per call.
+daemon thread polls it and hands changes to ``killswitch.set_watched``, which makes every
+callable's switch token stale (the one compare the hot path already does): no added cost
+per call.
 """
 
 from __future__ import annotations

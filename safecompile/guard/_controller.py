@@ -48,7 +48,7 @@ class Controller:
         """Where the callable stands now (see :class:`State`)."""
         e = self._engine
         gate = e.gate
-        if ks.env_token() is not gate.token or ks.SWITCH.generation != gate.generation:
+        if ks.env_token() is not gate.token:
             e.refresh_switch()  # the switch changed: the next call's path is known now
         if gate.disabled:
             return State.DISABLED

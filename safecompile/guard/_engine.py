@@ -71,11 +71,11 @@ _TICK = 1024  # at most this many calls of a thread between reports to the speed
 class Gate:
     """The one prepared value the hot path reads (see :mod:`._paths`)."""
 
-    __slots__ = ("compiled", "disabled", "eager", "eager_until", "fast", "generation", "token")
+    __slots__ = ("__weakref__", "compiled", "disabled", "eager", "eager_until", "fast", "token")
 
     def __init__(self, compiled: Callable[..., Any]) -> None:
-        self.token: object = object()  # the kill switch's environment value last read
-        self.generation = -1  # and its code switch's generation
+        # the kill switch's environment value last read (stale: re-read, see ks.watch)
+        self.token: object = object()
         self.disabled = False
         self.fast = False  # compiled may serve without the slow path
         self.eager_until = -math.inf  # tripped: eager serves, decision-free, until this clock
@@ -189,6 +189,7 @@ class Engine:
         )
         self.backend = GuardBackend(compiler, graph_hooks, opts.backend_label)
         ks.register(name)
+        ks.watch(self.gate)
         self.refresh_switch()
         sink.observe_calls(self._call_counts, self.table.checks)
 
@@ -289,7 +290,8 @@ class Engine:
             changed = disabled != self.gate.disabled
             fresh_value = token is not self.gate.token
             self.gate.token = token
-            self.gate.generation = generation
+            if ks.SWITCH.generation != generation:  # changed meanwhile: re-read next call
+                self.gate.token = ks.SWITCH.stale
             self.gate.disabled = disabled
             self.update_gate()
         if fresh_value:

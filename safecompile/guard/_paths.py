@@ -1,9 +1,10 @@
 """The paths a call takes: one hot-path closure, and the slow paths behind it.
 
 The hot path is one frame: re-read the kill switch only when the environment's value
-object changed, then — when the gate is open — call the compiled function and look at
-the calling thread's slot, where the graph wrappers noted which graph served the call
-and whether a check is due. Nothing due: count the call in the thread's own slot and
+object is not the one last read (``disable()`` makes it stale: ``killswitch.watch``),
+then — when the gate is open — call the compiled function and look at the calling
+thread's slot, where the graph wrappers noted which graph served the call and whether a
+check is due. Nothing due: count the call in the thread's own slot and
 return. Everything else is a slow path, handed the :class:`~.engine.Engine` and one
 :class:`~.slots.CallState` record for the call:
 
@@ -131,14 +132,13 @@ def _entrypoint(e: Engine) -> Callable[..., Any]:
     local = e.slots.local
     new_slot = e.slots.get
     env_get, env_key = _env_reader()
-    switch = ks.SWITCH
     refresh = e.refresh_switch
     tick = e.speed_tick
     clock = e.clock
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
         try:  # an error escaping is eager's: raised from the user's line, not ours
-            if env_get(env_key) is not gate.token or switch.generation != gate.generation:
+            if env_get(env_key) is not gate.token:  # stale after disable() too (ks.watch)
                 refresh()
             if gate.fast:
                 try:
@@ -183,7 +183,6 @@ def _bucketed_entrypoint(e: Engine) -> Callable[..., Any]:  # noqa: PLR0915 - on
     local = e.slots.local
     new_slot = e.slots.get
     env_get, env_key = _env_reader()
-    switch = ks.SWITCH
     refresh = e.refresh_switch
     tick = e.speed_tick
     clock = e.clock
@@ -193,7 +192,7 @@ def _bucketed_entrypoint(e: Engine) -> Callable[..., Any]:  # noqa: PLR0915 - on
 
     def guarded(*args: Any, **kwargs: Any) -> Any:  # noqa: PLR0912 - one frame on purpose
         try:  # an error escaping is eager's: raised from the user's line, not ours
-            if env_get(env_key) is not gate.token or switch.generation != gate.generation:
+            if env_get(env_key) is not gate.token:  # stale after disable() too (ks.watch)
                 refresh()
             if gate.fast:
                 plan = plan_of(args, kwargs)
