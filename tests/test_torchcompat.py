@@ -242,19 +242,21 @@ def test_precompiling_needs_aot_compile_and_a_loader_of_its_data(
 ) -> None:
     """Off (2.9.1's default; 2.11 had no aot_compile), or a loader without f_globals= and
     external_data= (2.9.1's): Missing, saying a warm restart traces again."""
-    monkeypatch.setattr(torch._dynamo.config, "enable_aot_compile", False)
-    off = torchcompat.compiled_function_loader()
+    # config.patch, not monkeypatch: monkeypatch's undo deletes a config module's setting
+    # (not in the module's __dict__), which hides it from every later test
+    with torch._dynamo.config.patch(enable_aot_compile=False):
+        off = torchcompat.compiled_function_loader()
     assert isinstance(off, torchcompat.Missing)
     assert off.name == "torch.compile(...).aot_compile"
     assert "warm restart traces again" in off.effect
-    monkeypatch.setattr(torch._dynamo.config, "enable_aot_compile", True)
     real = torchcompat.lookup
 
     def lookup(dotted: str) -> Any:
         return (lambda file: None) if dotted.endswith("load_compiled_function") else real(dotted)
 
     monkeypatch.setattr(torchcompat, "lookup", lookup)
-    old = torchcompat.compiled_function_loader()
+    with torch._dynamo.config.patch(enable_aot_compile=True):
+        old = torchcompat.compiled_function_loader()
     assert isinstance(old, torchcompat.Missing)
     assert old.name.startswith("torch.compiler.load_compiled_function(")
 
