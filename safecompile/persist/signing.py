@@ -140,7 +140,7 @@ def _read_checked(path: Path) -> bytes:
     were made on, once every folder and symbolic link on its path passed (see
     :func:`_walk`): a regular file owned by this user or root, that group and others
     cannot write and others cannot read."""
-    where, seen = _walk(os.path.abspath(path))
+    where, seen = _walk(os.path.join(os.getcwd(), path))  # not abspath: ".." after a link
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
     fd = os.open(where, flags | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0))
     try:
