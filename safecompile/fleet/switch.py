@@ -20,7 +20,7 @@ from safecompile.base import killswitch as ks
 from safecompile.base.forks import in_forked_child
 from safecompile.observe.log import Once, log_event
 from safecompile.persist.bounded import READ_TIMEOUT_S, read_file
-from safecompile.persist.remote import SOCKET_TIMEOUT_S, RedisLink, redacted
+from safecompile.persist.remote import COMMAND_TIMEOUT_S, RedisLink, redacted
 
 __all__ = ["SOURCE_ENV_VAR", "WATCHER", "Watcher", "open_source", "rule_of", "watch"]
 
@@ -54,7 +54,8 @@ class RedisKeySource:
         self.label = f"{redacted(url)}#{key}"
 
     def read(self) -> str | None:
-        value = self.link.run(lambda r: r.get(self.key))  # RemoteUnavailableError: Redis down
+        # RemoteUnavailableError: Redis down, past the deadline, or a value over MAX_BYTES
+        value = self.link.run(lambda r: r.get(self.key), max_bytes=MAX_BYTES)
         if value is None:
             return None
         if not isinstance(value, bytes):
@@ -111,7 +112,7 @@ def _describe(rule: ks.Rule) -> str:
     return "all" if rule.everything else ",".join(rule.patterns) or "nothing"
 
 
-POLL_WAIT_S = 2 * READ_TIMEOUT_S + SOCKET_TIMEOUT_S  # a bound on waiting for another poll
+POLL_WAIT_S = 2 * READ_TIMEOUT_S + COMMAND_TIMEOUT_S  # a bound on waiting for another poll
 
 
 class Watcher:

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 from safecompile.base.forks import in_forked_child
 
-__all__ = ["READ_TIMEOUT_S", "ReadTimeoutError", "bounded", "read_file"]
+__all__ = ["READ_TIMEOUT_S", "ReadTimeoutError", "bounded", "read_fd", "read_file"]
 
 T = TypeVar("T")
 
@@ -76,17 +76,22 @@ def _read(name: str, limit: int) -> bytes | None:
             raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), name)
         if not stat.S_ISREG(mode):
             raise OSError(f"{name} is not a regular file")
-        chunks: list[bytes] = []
-        size = 0
-        while size <= limit:
-            chunk = os.read(fd, limit + 1 - size)
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        return b"".join(chunks)
+        return read_fd(fd, limit)
     finally:
         os.close(fd)
+
+
+def read_fd(fd: int, limit: int) -> bytes:
+    """Up to ``limit + 1`` bytes from ``fd`` (more than ``limit``: too large)."""
+    chunks: list[bytes] = []
+    size = 0
+    while size <= limit:
+        chunk = os.read(fd, limit + 1 - size)
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
 
 
 @in_forked_child

@@ -81,7 +81,7 @@ def cache_root() -> Path | None:
     return Path(os.path.expandvars(os.path.expanduser(value))).absolute()
 
 
-_SUBDIRS = ("torch", "verdicts", "artifacts")
+_SUBDIRS = ("torch", "verdicts", "artifacts", "precompiled")
 
 
 def usable_root() -> Path | None:

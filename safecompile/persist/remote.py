@@ -3,6 +3,11 @@ decoration) turns on torch's remote caches (``TORCH_FLAGS``; a flag the user set
 over :class:`RedisLink` (one short timeout and one event when Redis is down, not torch's
 retries per lookup; values sealed with the operator's key), and a verdict tier. Without
 redis-py, a key or a URL that parses, one warning says so and everything stays local.
+
+Each command has a deadline for the whole of it (connecting included) and a byte budget
+for its replies, whatever the server sends: the socket redis-py reads is a
+:class:`_DeadlineSocket`, whose every read waits at most the time left and counts the bytes
+against the budget (a value claimed larger than its limit is refused unread).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ __all__ = [
     "RedisLink",
     "RemoteUnavailableError",
     "RemoteVerdicts",
+    "ReplyTooLargeError",
     "activate",
     "link_for",
     "links",
@@ -41,7 +47,13 @@ __all__ = [
 
 REMOTE_ENV_VAR = "SAFECOMPILE_REMOTE_CACHE"
 CONNECT_TIMEOUT_S = 0.25  # a Redis that is not there answers (or not) within this
-SOCKET_TIMEOUT_S = 0.5  # a Redis that hangs mid-command: per read, not per command
+SOCKET_TIMEOUT_S = 0.5  # a Redis that goes silent: per read, within the command's deadline
+COMMAND_TIMEOUT_S = 1.0  # a command whole, connecting included: a verdict, the kill switch
+BULK_TIMEOUT_S = 10.0  # a command moving a precompiled function or one of torch's values
+VALUE_MAX_BYTES = 1 << 20  # a verdict, a key's scopes, a kill-switch value
+BLOB_MAX_BYTES = 1 << 30  # a precompiled function (the limit of a file in precompiled/)
+TORCH_MAX_BYTES = 64 << 20  # one of torch's remote-cache values (most are KiB)
+_REPLY_SLACK = 4096  # RESP framing (and the connection's handshake) on top of a value
 RETRY_AFTER_S = 30.0  # after a failure, local only for this long, then try again
 VERDICT_TTL_S = 30 * 24 * 3600  # seconds: verdicts of an old stack (torch, code) age out
 VERDICT_PREFIX = "safecompile:v1:verdicts:"
@@ -55,6 +67,103 @@ T = TypeVar("T")
 
 class RemoteUnavailableError(Exception):
     """The shared Redis cannot be used now (not installed, down, timed out, backing off)."""
+
+
+class ReplyTooLargeError(Exception):
+    """A reply outgrew its command's byte budget: refused before it was read whole."""
+
+
+class _Budget(threading.local):
+    """The running command's deadline (``time.monotonic()``) and bytes it may still
+    receive, per thread (redis-py's synchronous client reads on the calling thread)."""
+
+    deadline: float | None = None
+    left: int | None = None
+
+
+_budget = _Budget()
+
+
+def _time_left() -> float | None:
+    """Seconds left to the running command (``None``: no command runs); a timeout once none."""
+    deadline = _budget.deadline
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError("the command's deadline passed")
+    return left
+
+
+class _DeadlineSocket:
+    """A connected socket (plain, TLS or Unix) whose reads and writes wait at most the
+    running command's time left, and whose reads count against its byte budget."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self._timeout: float | None = sock.gettimeout()  # what redis-py asked for
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+    def settimeout(self, value: float | None) -> None:
+        self._timeout = value
+        self._sock.settimeout(value)
+
+    def gettimeout(self) -> float | None:
+        return self._timeout
+
+    def _arm(self) -> None:
+        left = _time_left()
+        wanted = self._timeout
+        if left is not None and wanted != 0:  # 0: redis-py polls without blocking
+            wanted = left if wanted is None else min(wanted, left)
+        self._sock.settimeout(wanted)
+
+    def _spend(self, count: int) -> None:
+        left = _budget.left
+        if left is None:
+            return
+        _budget.left = left - count
+        if left < count:
+            raise ReplyTooLargeError("a reply larger than its limit: refused unread")
+
+    def recv(self, size: int, flags: int = 0) -> bytes:
+        self._arm()
+        data: bytes = self._sock.recv(size, flags)
+        self._spend(len(data))
+        return data
+
+    def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
+        self._arm()
+        count: int = self._sock.recv_into(buffer, nbytes, flags)
+        self._spend(count)
+        return count
+
+    def sendall(self, data: Any, flags: int = 0) -> None:
+        self._arm()  # sendall's timeout bounds the whole send
+        self._sock.sendall(data, flags)
+
+
+@functools.cache
+def _bounded_connection(base: type) -> type:
+    """redis-py's connection class ``base``, connecting within the command's time left and
+    reading through a :class:`_DeadlineSocket` (``_connect``: checked redis-py 5 to 8)."""
+
+    class BoundedConnection(base):  # type: ignore[misc]
+        def _connect(self) -> Any:
+            saved = getattr(self, "socket_connect_timeout", None)
+            left = _time_left()
+            if left is not None:  # connect and a TLS handshake each wait at most this
+                self.socket_connect_timeout = left if saved is None else min(saved, left)
+            try:
+                sock = super()._connect()
+            finally:
+                self.socket_connect_timeout = saved
+            return _DeadlineSocket(sock)
+
+    BoundedConnection.__name__ = BoundedConnection.__qualname__ = f"Bounded{base.__name__}"
+    return BoundedConnection
 
 
 def parse_url(value: str) -> str:
@@ -127,21 +236,39 @@ class RedisLink:
         self.seconds = 0.0
         _every_link.add(self)
 
-    def run(self, command: Callable[[Any], T]) -> T:
-        """``command(client)``; :class:`RemoteUnavailableError` instead of any failure."""
+    def run(
+        self,
+        command: Callable[[Any], T],
+        *,
+        timeout: float = COMMAND_TIMEOUT_S,
+        max_bytes: int | None = VALUE_MAX_BYTES,
+    ) -> T:
+        """``command(client)`` within ``timeout`` seconds, its replies within ``max_bytes``
+        (and framing); :class:`RemoteUnavailableError` instead of any failure. A reply too
+        large is one ``safecompile.cache_file_ignored`` warning (none if ``quiet``), not an
+        outage."""
         until = self._down_until
         if until is not None and self._clock() < until:
             raise RemoteUnavailableError(f"{self.purpose}: backing off after a failure")
         started = time.perf_counter()
+        outer = _budget.deadline, _budget.left
+        _budget.deadline = time.monotonic() + timeout
+        _budget.left = None if max_bytes is None else max_bytes + _REPLY_SLACK
         try:
             client = self._client
             if client is None:  # cheap (it connects at its first command): a race builds two
                 client = self._client = self._build()
             result = command(client)
+        except ReplyTooLargeError:  # redis-py dropped the connection, the rest unread
+            reason = f"a reply larger than {max_bytes} bytes: refused unread"
+            if not self.quiet:
+                warn_ignored(f"{redacted(self.url)} ({self.purpose})", reason)
+            raise RemoteUnavailableError(reason) from None
         except Exception as exc:  # redis-py missing, a bad URL option, down, timed out
             self._failed(f"{type(exc).__name__}: {exc}")
             raise RemoteUnavailableError(str(exc)) from None
         finally:
+            _budget.deadline, _budget.left = outer
             self.commands += 1
             self.seconds += time.perf_counter() - started
         if self._down:
@@ -153,10 +280,17 @@ class RedisLink:
                 )
         return result
 
-    def run_or(self, command: Callable[[Any], T], failed: T) -> T:
-        """``command(client)``, or ``failed`` when Redis cannot be used now."""
+    def run_or(
+        self,
+        command: Callable[[Any], T],
+        failed: T,
+        *,
+        timeout: float = COMMAND_TIMEOUT_S,
+        max_bytes: int | None = VALUE_MAX_BYTES,
+    ) -> T:
+        """``command(client)`` (see :meth:`run`), or ``failed`` when Redis cannot be used now."""
         try:
-            return self.run(command)
+            return self.run(command, timeout=timeout, max_bytes=max_bytes)
         except RemoteUnavailableError:
             return failed
 
@@ -168,12 +302,16 @@ class RedisLink:
         redis = _import_redis()
         if redis is None:
             raise ImportError("redis-py is not installed (pip install 'safecompile[redis]')")
+        connection = redis.connection
+        scheme = urllib.parse.urlsplit(self.url).scheme
+        base = {"rediss": connection.SSLConnection, "unix": connection.UnixDomainSocketConnection}
         options: dict[str, Any] = {
             "socket_timeout": SOCKET_TIMEOUT_S,
             "retry": redis.retry.Retry(redis.backoff.NoBackoff(), 0),
             "health_check_interval": 0,
+            "connection_class": _bounded_connection(base.get(scheme, connection.Connection)),
         }
-        if not self.url.startswith("unix://"):
+        if scheme != "unix":
             options["socket_connect_timeout"] = CONNECT_TIMEOUT_S
         # options in the URL's query (?socket_timeout=2) win over ours
         return redis.Redis.from_url(self.url, **options)
@@ -211,9 +349,10 @@ class RemoteVerdicts:
         return f"{redacted(self.link.url)} {self.name(key)}[{scope!r}]"
 
     def get(self, key: str, scope: str = "") -> bytes | None:
-        """The document for ``(key, scope)``, or ``None``."""
+        """The document for ``(key, scope)``, or ``None`` (one larger than
+        ``VALUE_MAX_BYTES`` too, unread)."""
         value = self.link.run_or(lambda r: r.hget(self.name(key), scope), None)
-        return value if isinstance(value, bytes) else None
+        return _within(value, VALUE_MAX_BYTES, self.where(key, scope))
 
     def put(self, key: str, scope: str, document: bytes) -> bool:
         """Store ``document`` for ``(key, scope)``; ``False`` if Redis could not be used."""
@@ -235,12 +374,18 @@ class RemoteVerdicts:
     def put_blob(self, key: str, name: str, data: bytes) -> bool:
         """Store a (sealed) binary artifact next to ``key``'s verdicts; same TTL."""
         blob = f"{BLOB_PREFIX}{key}:{name}"
-        return bool(self.link.run_or(lambda r: r.set(blob, data, ex=VERDICT_TTL_S), False))
+        stored = self.link.run_or(
+            lambda r: r.set(blob, data, ex=VERDICT_TTL_S), False, timeout=BULK_TIMEOUT_S
+        )
+        return bool(stored)
 
-    def get_blob(self, key: str, name: str) -> bytes | None:
-        """A blob :meth:`put_blob` stored, or ``None``."""
-        value = self.link.run_or(lambda r: r.get(f"{BLOB_PREFIX}{key}:{name}"), None)
-        return value if isinstance(value, bytes) else None
+    def get_blob(self, key: str, name: str, limit: int = BLOB_MAX_BYTES) -> bytes | None:
+        """A blob :meth:`put_blob` stored, or ``None`` (one over ``limit`` bytes, unread)."""
+        blob = f"{BLOB_PREFIX}{key}:{name}"
+        value = self.link.run_or(
+            lambda r: r.get(blob), None, timeout=BULK_TIMEOUT_S, max_bytes=limit
+        )
+        return _within(value, limit, f"{redacted(self.link.url)} {blob}")
 
     def delete(self, key: str | None = None, scope: str | None = None) -> int:
         """Delete one document, all of ``key``'s (blobs too), or everything (``key=None``);
@@ -257,7 +402,17 @@ class RemoteVerdicts:
                 names.append(self.name(key))
             return int(r.delete(*names)) if names else 0
 
-        return self.link.run_or(command, 0)
+        return self.link.run_or(command, 0, timeout=BULK_TIMEOUT_S, max_bytes=None)
+
+
+def _within(value: object, limit: int, where: str) -> bytes | None:
+    """``value`` when it is bytes of at most ``limit``; else ``None`` (too large: warned)."""
+    if not isinstance(value, bytes):
+        return None
+    if len(value) > limit:
+        warn_ignored(where, f"larger than {limit} bytes")
+        return None
+    return value
 
 
 # ---------------------------------------------------------------- activation
@@ -449,8 +604,14 @@ def _torch_backend(link: RedisLink, signing: Signer, base: Any) -> Callable[[], 
         def _get(self, key: str) -> bytes | None:
             if _suspended:
                 return None  # after a cache error: compile without what Redis holds
-            value = link.run_or(lambda r: r.get(key), None)
-            if not isinstance(value, bytes):
+            value = _within(
+                link.run_or(
+                    lambda r: r.get(key), None, timeout=BULK_TIMEOUT_S, max_bytes=TORCH_MAX_BYTES
+                ),
+                TORCH_MAX_BYTES,
+                f"{redacted(link.url)} {key}",
+            )
+            if value is None:
                 return None
             try:
                 data = signing.unseal(TORCH_PURPOSE, key, value)
@@ -462,6 +623,6 @@ def _torch_backend(link: RedisLink, signing: Signer, base: Any) -> Callable[[], 
 
         def _put(self, key: str, data: bytes) -> None:
             sealed = signing.seal(TORCH_PURPOSE, key, data)
-            link.run_or(lambda r: r.set(key, sealed), None)
+            link.run_or(lambda r: r.set(key, sealed), None, timeout=BULK_TIMEOUT_S)
 
     return SafecompileRedisBackend

@@ -1,7 +1,9 @@
 """Shared storage is code (torch unpickles its caches; we act on verdicts), so each entry
 carries an HMAC-SHA256 over its purpose, name and bytes under the operator's key
-(``SAFECOMPILE_CACHE_KEY``, or ``SAFECOMPILE_CACHE_KEY_FILE``: a file only this user or root
-can write); without a key nothing that would be trusted is read back (docs/security.md).
+(``SAFECOMPILE_CACHE_KEY``, its bytes as set; or ``SAFECOMPILE_CACHE_KEY_FILE``: a file only
+this user or root can write, checked like ssh checks a key: every folder and symlink on
+its path, and the descriptor read); without a key nothing that would be trusted is read
+back (docs/security.md).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 from safecompile.observe.log import Once
 
-from .bounded import read_file
+from .bounded import READ_TIMEOUT_S, bounded, read_fd
 
 __all__ = [
     "KEY_ENV_VAR",
@@ -34,6 +36,7 @@ KEY_ENV_VAR = "SAFECOMPILE_CACHE_KEY"
 KEY_FILE_ENV_VAR = "SAFECOMPILE_CACHE_KEY_FILE"
 MIN_KEY_CHARS = 16
 MAX_KEY_BYTES = 4096
+MAX_LINKS = 40  # symbolic links followed on a key file's path (Linux's own limit)
 MAGIC = b"safecompile-hmac-v1\n"  # a sealed blob: MAGIC, 32 bytes of MAC, the data
 MAC_FIELD = "hmac"  # a signed JSON document's field holding the MAC (hex)
 
@@ -88,8 +91,8 @@ class Signer:
 def signer() -> Signer | None:
     """The operator's key, or ``None`` (an unusable one: one warning); a key file read once."""
     value = os.environ.get(KEY_ENV_VAR, "")
-    if value.strip():
-        return _checked(value.strip().encode(), KEY_ENV_VAR)
+    if value.strip():  # the bytes as set, UTF-8 or not (os.environb's)
+        return _checked(os.fsencode(value.strip()), KEY_ENV_VAR)
     path = os.environ.get(KEY_FILE_ENV_VAR, "").strip()
     if not path:
         return None
@@ -111,18 +114,99 @@ def _checked(secret: bytes, source: str) -> Signer | None:
 
 def _read_key_file(path: Path) -> bytes | None:
     source = f"{KEY_FILE_ENV_VAR}={path}"
-    try:
-        data = read_file(path, limit=MAX_KEY_BYTES)
-        info = os.stat(path)
+    try:  # bounded: a key file on a hung mount must not hang safe_compile()
+        data = bounded(lambda: _read_checked(path), str(path), READ_TIMEOUT_S, doing="reading")
+    except _UnsafeError as exc:
+        warn_once(f"file:{path}", f"{source} is not used: {exc}")
+        return None
+    except FileNotFoundError:
+        warn_once(f"file:{path}", f"{source} is not used: it does not exist")
+        return None
     except OSError as exc:
         warn_once(f"file:{path}", f"{source} cannot be read: {type(exc).__name__}: {exc}")
         return None
-    problem = owner_problem(path, info, allow_root=True)
-    if data is None or problem is not None or len(data) > MAX_KEY_BYTES:
-        reason = problem or ("it does not exist" if data is None else "it is too large")
-        warn_once(f"file:{path}", f"{source} is not used: {reason}")
+    if len(data) > MAX_KEY_BYTES:
+        warn_once(f"file:{path}", f"{source} is not used: it is too large")
         return None
     return data.strip()
+
+
+class _UnsafeError(Exception):
+    """A check on the key file's path or descriptor failed (the message says which)."""
+
+
+def _read_checked(path: Path) -> bytes:
+    """The key file's first ``MAX_KEY_BYTES + 1`` bytes, read from the descriptor the checks
+    were made on, once every folder and symbolic link on its path passed (see
+    :func:`_walk`): a regular file owned by this user or root, that group and others
+    cannot write and others cannot read."""
+    where, seen = _walk(os.path.join(os.getcwd(), path))  # not abspath: ".." after a link
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(where, flags | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOCTTY", 0))
+    try:
+        info = os.fstat(fd)
+        if (info.st_dev, info.st_ino) != (seen.st_dev, seen.st_ino):
+            raise _UnsafeError(f"{where} changed while it was checked")
+        if not stat.S_ISREG(info.st_mode):
+            raise _UnsafeError(f"{where} is not a regular file")
+        problem = owner_problem(Path(where), info, allow_root=True)
+        if problem is None and info.st_mode & stat.S_IROTH:
+            problem = f"{where} is readable by other users (mode {stat.S_IMODE(info.st_mode):o})"
+        if problem is not None:
+            raise _UnsafeError(problem)
+        return read_fd(fd, MAX_KEY_BYTES)
+    finally:
+        os.close(fd)
+
+
+def _walk(path: str) -> tuple[str, os.stat_result]:
+    """``path`` resolved one component at a time, as ssh's ``safe_path`` checks a key:
+    every folder on the way owned by this user or root and not writable by group or
+    others (unless sticky, like ``/tmp``: there only an entry's owner can replace it, and
+    each entry is checked in turn), every symbolic link owned by this user or root (its
+    target walked the same way). The file's path, no link left in it, and its ``lstat``."""
+    pending = _components(path)
+    here = os.sep
+    _check_folder(here, os.stat(here))
+    links = 0
+    while pending:
+        name = pending.pop()
+        if name == "..":
+            here = os.path.dirname(here)  # a folder already checked on the way down
+            continue
+        full = os.path.join(here, name)
+        info = os.lstat(full)
+        if stat.S_ISLNK(info.st_mode):
+            links += 1
+            if links > MAX_LINKS:
+                raise _UnsafeError(f"{path}: more than {MAX_LINKS} symbolic links")
+            if info.st_uid not in (0, os.geteuid()):  # its mode means nothing
+                raise _UnsafeError(f"the symbolic link {full} is owned by uid {info.st_uid}")
+            target = os.readlink(full)
+            if os.path.isabs(target):
+                here = os.sep
+            pending.extend(_components(target))
+        elif stat.S_ISDIR(info.st_mode):
+            _check_folder(full, info)
+            here = full
+        elif pending:
+            raise NotADirectoryError(f"{full} is not a directory")
+        else:
+            return full, info
+    raise IsADirectoryError(f"{path} is a directory")
+
+
+def _components(path: str) -> list[str]:
+    """``path``'s names, last first (a stack), without empty names and ``.``."""
+    return [name for name in reversed(path.split(os.sep)) if name not in ("", ".")]
+
+
+def _check_folder(path: str, info: os.stat_result) -> None:
+    problem = owner_problem(Path(path), info, allow_root=True)
+    if problem is not None and info.st_mode & stat.S_ISVTX and info.st_uid in (0, os.geteuid()):
+        problem = None  # sticky (/tmp): others cannot replace the entries checked next
+    if problem is not None:
+        raise _UnsafeError(f"a folder on its path: {problem}")
 
 
 def owner_problem(path: Path, info: os.stat_result, *, allow_root: bool = False) -> str | None:
