@@ -15,6 +15,7 @@ from .base.policies import Buckets, Rollback, Shadow, Warmup, pow2, steps
 from .compose import safe_compile
 from .guard.decorator import Guarded
 from .observe.telemetry import configure
+from .runner import install, uninstall
 
 __all__ = [
     "ENV_VAR",
@@ -33,7 +34,9 @@ __all__ = [
     "configure",
     "disable",
     "enable",
+    "install",
     "pow2",
     "safe_compile",
     "steps",
+    "uninstall",
 ]
