@@ -21,8 +21,28 @@ from typing import Any
 _HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+def _package() -> None:
+    """The safecompile this file ships with (not another one the path may hold first)."""
+    if "safecompile" in sys.modules:
+        return
+    package = os.path.dirname(_HERE)
+    spec = importlib.util.spec_from_file_location(
+        "safecompile", os.path.join(package, "__init__.py"), submodule_search_locations=[package]
+    )
+    if spec is None or spec.loader is None:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["safecompile"] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules["safecompile"]
+        raise
+
+
 def _install() -> None:
     try:
+        _package()
         from safecompile import runner  # noqa: PLC0415 - only once torch is imported
 
         runner.install_from_environment()
