@@ -17,6 +17,11 @@ from .guard.decorator import Guarded
 from .observe.telemetry import configure
 from .runner import install, uninstall
 
+if globals().pop("_run_pending", False):  # safecompile run: torch loaded while we imported it
+    from .runner import install_from_environment
+
+    install_from_environment()
+
 __all__ = [
     "ENV_VAR",
     "Buckets",

@@ -166,6 +166,23 @@ def test_every_calling_form_is_guarded() -> None:
 
 
 @pytest.mark.usefixtures("installed")
+def test_a_method_in_a_class_body_and_torch_compiler_compile_are_guarded() -> None:
+    class Scale(torch.nn.Module):
+        @torch.compile(backend="eager")
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 3
+
+    x = torch.randn(3)
+    module = Scale()
+    torch.testing.assert_close(module(x), x * 3)
+    guarded = Scale.forward
+    assert guarded.safecompile.name.endswith("<locals>.Scale.forward")
+    assert guarded.safecompile.stats().compiled_calls == 1
+    through = torch.compiler.compile(double, backend="eager")
+    assert through.safecompile.name == f"{__name__}.double"
+
+
+@pytest.mark.usefixtures("installed")
 def test_disable_true_and_torchs_own_options_are_torchs() -> None:
     off = torch.compile(double, disable=True)
     assert not hasattr(off, "safecompile")
@@ -260,7 +277,8 @@ def _run(
 
 
 PROGRAM = """
-import json, multiprocessing, subprocess, sys
+import importlib.util, json, multiprocessing, subprocess, sys
+importlib.util.find_spec("torch")  # a probe first, as libraries do: no import yet
 import torch
 
 def child(_):
@@ -275,7 +293,8 @@ if __name__ == "__main__":
            "main_calls": f.safecompile.stats().compiled_calls}
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         out["spawn"] = pool.apply(child, (0,))
-    code = "import torch; print(hasattr(torch.compile, '__safecompile_original__'))"
+    # safecompile imported first: it imports torch, and installs once it is whole
+    code = "import safecompile, torch; print(hasattr(torch.compile, '__safecompile_original__'))"
     out["subprocess"] = subprocess.run([sys.executable, "-c", code], capture_output=True,
                                        text=True).stdout.strip()
     print("RESULT", json.dumps(out))

@@ -9,6 +9,7 @@ loaded, calls :func:`safecompile.runner.install_from_environment`. Then it runs 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import importlib.util
@@ -41,6 +42,11 @@ def _package() -> None:
 
 
 def _install() -> None:
+    importing = sys.modules.get("safecompile")
+    if getattr(getattr(importing, "__spec__", None), "_initializing", False):
+        # torch loaded while safecompile itself imports it: safecompile installs once whole
+        importing._run_pending = True  # type: ignore[union-attr]
+        return
     try:
         _package()
         from safecompile import runner  # noqa: PLC0415 - only once torch is imported
@@ -67,21 +73,24 @@ class _Loader(importlib.abc.Loader):
         if module.__spec__ is not None:
             module.__spec__.loader = self._inner
         module.__loader__ = self._inner
+        with contextlib.suppress(ValueError):  # torch is being loaded: no more waiting
+            sys.meta_path.remove(_FINDER)
         self._inner.exec_module(module)
         _install()
 
 
 class _AfterTorch(importlib.abc.MetaPathFinder):
-    """Finds ``torch`` with the other finders, once, and installs after it loads."""
+    """Finds ``torch`` with the other finders and installs once it is loaded (a
+    ``find_spec("torch")`` that loads nothing, as libraries probe, leaves it waiting)."""
 
     def find_spec(
         self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname != "torch":
             return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        for finder in list(sys.meta_path):
+        for finder in sys.meta_path:
+            if finder is self:
+                continue
             find = getattr(finder, "find_spec", None)
             spec = find(fullname, path, target) if find is not None else None
             if spec is not None:
@@ -102,8 +111,9 @@ def _chain() -> None:
     spec.loader.exec_module(module)
 
 
+_FINDER = _AfterTorch()
 if "torch" in sys.modules:
     _install()
 else:
-    sys.meta_path.insert(0, _AfterTorch())
+    sys.meta_path.insert(0, _FINDER)
 _chain()
