@@ -267,7 +267,7 @@ def _answer(
     log_event(
         "safecompile.run.unguarded",
         level=logging.WARNING,
-        function=_describe(model),
+        function=_describe(model)[0],
         reason=reason,
     )
     return original(*args, **kwargs)

@@ -195,6 +195,7 @@ def test_disable_true_and_torchs_own_options_are_torchs() -> None:
         torch.compile(double, mode="default", options={"trace.enabled": False})
     [event] = [e for e in logs if e["event"] == "safecompile.run.unguarded"]
     assert "give one of them, not both" in event["reason"]
+    assert event["function"] == f"{__name__}.double"
 
 
 @pytest.mark.usefixtures("installed")
