@@ -18,7 +18,8 @@ for what it returns (docs/zero-code.md):
   torch's ``_orig_mod.`` prefix, attributes read through, and ``forward`` goes through the
   guard; ``.safecompile`` is its controller.
 
-``disable=True``, ``shapes_spec=`` and ``options={"use_aoti": ...}`` go to torch's own
+``disable=True``, ``shapes_spec=``, ``options={"use_aoti": ...}`` and torch's own calls
+(its higher-order ops run eagerly through ``torch.compile``) go to torch's own
 ``torch.compile`` unchanged, as does a call ``safe_compile`` refuses (torch raises its own
 error or compiles it, unguarded, and an event ``safecompile.run.unguarded`` says why).
 """
@@ -225,11 +226,25 @@ def _replacement(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def compile(*args: Any, **kwargs: Any) -> Any:
+        if _torch_internal(sys._getframe(1).f_globals.get("__name__")):
+            return original(*args, **kwargs)
         return _answer(original, signature, args, kwargs)
 
     compile.__signature__ = signature  # type: ignore[attr-defined]
     compile.__safecompile_original__ = original  # type: ignore[attr-defined]
     return compile
+
+
+# torch modules whose torch.compile is the user's: the rest of torch compiles its own
+# machinery with it (higher-order ops run eagerly, flex attention, block masks)
+_TORCH_FOR_USERS = frozenset({"torch.nn.modules.module", "torch.compiler"})
+
+
+def _torch_internal(caller: object) -> bool:
+    """Whether ``torch.compile`` was called by torch itself, for its own use."""
+    if not isinstance(caller, str) or caller in _TORCH_FOR_USERS:
+        return False
+    return caller == "torch" or caller.startswith("torch.")
 
 
 def _answer(
@@ -256,7 +271,12 @@ def _answer(
 
         return decorate
     settings = _settings()
-    if given.get("disable") or settings is None or torch.compiler.is_exporting():
+    if (
+        given.get("disable")
+        or settings is None
+        or torch.compiler.is_exporting()
+        or torch.compiler.is_compiling()  # a compile inside a traced function
+    ):
         return original(*args, **kwargs)
     reason = _torch_only(given)
     if reason is None:

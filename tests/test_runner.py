@@ -13,6 +13,7 @@ import textwrap
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import structlog
@@ -196,6 +197,20 @@ def test_disable_true_and_torchs_own_options_are_torchs() -> None:
     [event] = [e for e in logs if e["event"] == "safecompile.run.unguarded"]
     assert "give one of them, not both" in event["reason"]
     assert event["function"] == f"{__name__}.double"
+
+
+@pytest.mark.usefixtures("installed")
+def test_torchs_own_compiles_are_torchs() -> None:
+    """torch runs some operators eagerly through torch.compile (torch.cond, map, flex
+    attention): those calls are torch's machinery, not the user's, and stay torch's."""
+    x = torch.randn(4)
+    with structlog.testing.capture_logs():
+        out = torch.cond(x.sum() > 0, lambda t: t.sin(), lambda t: t.cos(), (x,))
+    torch.testing.assert_close(out, x.sin() if x.sum() > 0 else x.cos())
+    assert not any("_cond_op_wrapper" in name for name in runner._NAMES._seen)
+    inside: dict[str, Any] = {"__name__": "torch._higher_order_ops.example", "torch": torch}
+    exec("compiled = torch.compile(lambda t: t + 1, backend='eager')", inside)
+    assert not hasattr(inside["compiled"], "safecompile")
 
 
 @pytest.mark.usefixtures("installed")
