@@ -15,6 +15,12 @@ from .base.policies import Buckets, Rollback, Shadow, Warmup, pow2, steps
 from .compose import safe_compile
 from .guard.decorator import Guarded
 from .observe.telemetry import configure
+from .runner import install, uninstall
+
+if globals().pop("_run_pending", False):  # safecompile run: torch loaded while we imported it
+    from .runner import install_from_environment
+
+    install_from_environment()
 
 __all__ = [
     "ENV_VAR",
@@ -33,7 +39,9 @@ __all__ = [
     "configure",
     "disable",
     "enable",
+    "install",
     "pow2",
     "safe_compile",
     "steps",
+    "uninstall",
 ]

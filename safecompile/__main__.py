@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from . import doctor
+from . import doctor, runner
 from .doctor import html as _html
 from .doctor.report import DEFAULT_LIMIT
 from .doctor.text import LINE_LIMIT
@@ -72,6 +72,9 @@ def _parser() -> argparse.ArgumentParser:
         help="readiness report for one callable",
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    commands.add_parser(
+        "run", help="run a program with every torch.compile guarded", add_help=False
     )
     add = doctor.add_argument
     add(
@@ -136,6 +139,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default ``sys.argv[1:]``); return the exit code."""
+    argv = sys.argv[1:] if argv is None else argv
+    if list(argv[:1]) == ["run"]:  # its own flags, then the command after ``--``
+        return runner.main(argv[1:])
     parser = _parser()
     try:
         args = parser.parse_args(argv)

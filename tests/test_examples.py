@@ -232,3 +232,19 @@ def test_quickstart_is_one_file_on_aot_eager(example_env: dict[str, str]) -> Non
 
     assert out.splitlines()[0].endswith("backend=aot_eager")
     assert "and after unsetting it, compiled again" in out
+
+
+def test_zero_code(example_env: dict[str, str]) -> None:
+    """The same unedited program under ``safecompile run`` is guarded (the drifting
+    function answered by eager and rolled back) and, alone, is torch's."""
+    env = dict(example_env, PYTHONPATH=str(ROOT))
+    guarded = run(env, "-m", "safecompile", "run", "--", sys.executable, "examples/zero_code.py")
+    out = guarded.stdout
+    assert "state_dict keys: _orig_mod.hidden.weight, _orig_mod.hidden.bias" in out
+    assert "calibrate returned eager's value: True" in out
+    assert "torch.compile(model): guarded as __main__.Scorer.forward: state=canary" in out
+    assert "model.compile(): guarded as __main__.Scorer.forward: state=canary compiled=3" in out
+    assert "torch.compile(calibrate): guarded as __main__.calibrate: state=rolled_back" in out
+    alone = run(env, "examples/zero_code.py").stdout
+    assert "calibrate returned eager's value: False" in alone
+    assert "torch.compile(model): torch.compile's own (not under safecompile run)" in alone

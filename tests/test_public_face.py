@@ -49,3 +49,37 @@ def test_a_guarded_module_shows_the_documented_names_only() -> None:
 
 def test_the_api_reference_renders_exactly_the_public_names() -> None:
     assert _reference_members() == DOCUMENTED
+
+
+# The package's names (API.md): the decorator, its policies and records, the kill switch,
+# telemetry's configure, and the runner's in-code install()/uninstall().
+EXPORTED = {
+    "ENV_VAR",
+    "Buckets",
+    "ConfigError",
+    "Event",
+    "EventKind",
+    "Guarded",
+    "Reason",
+    "Rollback",
+    "Shadow",
+    "State",
+    "Stats",
+    "Warmup",
+    "__version__",
+    "configure",
+    "disable",
+    "enable",
+    "install",
+    "pow2",
+    "safe_compile",
+    "steps",
+    "uninstall",
+}
+
+
+def test_the_package_exports_exactly_the_documented_names() -> None:
+    import safecompile
+
+    assert set(safecompile.__all__) == EXPORTED
+    assert all(hasattr(safecompile, name) for name in EXPORTED)

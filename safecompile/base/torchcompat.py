@@ -69,6 +69,7 @@ __all__ = [
     "route_vec_isa_checks",
     "side_effects",
     "source_value",
+    "torch_compile",
     "undisabled",
 ]
 
@@ -133,11 +134,19 @@ def eager_backward() -> contextlib.AbstractContextManager[Any] | Missing:
     return config.patch(force_non_lazy_backward_lowering=True)  # type: ignore[no-any-return]
 
 
+def torch_compile() -> Callable[..., Any]:
+    """``torch.compile`` as safecompile calls it: the module attribute, read at each call
+    (tests replace it), or the function it stands for when :func:`safecompile.install`
+    answers ``torch.compile`` (so a guard never guards its own compile)."""
+    found: Callable[..., Any] = torch.compile
+    return getattr(found, "__safecompile_original__", found)
+
+
 def per_function_limit(limit: int) -> dict[str, Any] | Missing:
     """``torch.compile`` keywords that give one function its own recompile limit and
     cache entries (public, but new). checked: 2.13.0 (absent in 2.9.1, where every
     ``torch.compile`` of one code object shares dynamo's global limit of 8)"""
-    params = inspect.signature(torch.compile).parameters
+    params = inspect.signature(torch_compile()).parameters
     if "recompile_limit" not in params or "isolate_recompiles" not in params:
         return Missing(
             "torch.compile(recompile_limit=, isolate_recompiles=)",

@@ -157,7 +157,7 @@ class Precompiled:
             )
             return [not (g.is_global or g.guard_type in (unserializable or ())) for g in entries]
 
-        compile_: Any = torch.compile
+        compile_: Any = torchcompat.torch_compile()  # torch's own, under install() too
         options = {"guard_filter_fn": guards}
         fn = compile_(
             self._top, fullgraph=True, backend=backend, dynamic=self._dynamic, options=options

@@ -136,7 +136,11 @@ def compile_function(
         torch_missing(limits)
     else:
         extra.update(limits)
-    return torch.compile(fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph, **extra)
+    compile_ = torchcompat.torch_compile()  # torch's own, also under safecompile.install()
+    compiled: Callable[..., Any] = compile_(
+        fn, backend=backend, dynamic=dynamic, fullgraph=fullgraph, **extra
+    )
+    return compiled
 
 
 def own_frame(fn: Callable[..., Any]) -> Callable[..., Any]:
