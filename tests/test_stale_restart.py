@@ -80,7 +80,19 @@ FORMS: dict[str, tuple[str, str, str]] = {
         "import torch\ndef act(x):\n    return torch.clamp(x, max=200.0) + 1\n",
         "h.act(x)",
     ),
+    # a value in a closure, set where the function is made
+    "closure": (
+        "def make(k):\n    def f(x):\n        return x * k\n    return f\nact = make(2)\n",
+        "def make(k):\n    def f(x):\n        return x * k\n    return f\nact = make(3)\n",
+        "h.act(x)",
+    ),
     "unchanged": ("def act(x):\n    return x * 2\n", "def act(x):\n    return x * 2\n", "h.act(x)"),
+    # lines above it, its own text the same: still current
+    "moved": (
+        "def act(x):\n    return x * 2\n",
+        "# moved\n\ndef act(x):\n    return x * 2\n",
+        "h.act(x)",
+    ),
 }
 CHANGED = {  # what the stale event names, for each form
     "attr": "act changed",
@@ -93,6 +105,7 @@ CHANGED = {  # what the stale event names, for each form
     "global": "SCALE: was 2.0, now 3.0",
     "getattr": "act changed",
     "clamp": "act changed",
+    "closure": "cell_contents: was 2, now 3",
 }
 
 CHILD = """
@@ -176,10 +189,10 @@ def test_an_edit_in_any_reached_code_is_never_served_after_a_restart(tmp_path: P
         assert seen["traced"], (form, seen)
         assert seen["outcomes"][0] == "stale", (form, seen)
         assert expected in seen["reasons"][0], (form, seen)
-        assert f"h_{form}.py" in seen["reasons"][0] or form == "global", (form, seen)
+        assert f"h_{form}.py" in seen["reasons"][0] or form in ("global", "closure"), seen
     assert second["clamp"]["state"] == "compiled"  # the fresh trace passed its checks
-    unchanged = second["unchanged"]
-    assert (unchanged["traced"], unchanged["outcomes"]) == (False, ["loaded"])
+    for form in ("unchanged", "moved"):
+        assert (second[form]["traced"], second[form]["outcomes"]) == (False, ["loaded"]), form
 
     third = run(code, cache)  # what the second process saved, loaded
     for form in FORMS:
