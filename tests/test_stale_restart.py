@@ -14,12 +14,14 @@ import json
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from safecompile.base import torchcompat
+from safecompile.persist.cache import code_fingerprint
 from safecompile.persist.sources import code_record, stale_reasons
 
 REPO = Path(__file__).resolve().parents[1]
@@ -216,3 +218,45 @@ def test_a_record_without_sources_or_of_a_missing_function_is_stale(tmp_path: Pa
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("gone_helpers", None)
+
+
+HELPERS = """
+def act(x):
+    return x * 2
+
+def other(x):
+    return x
+
+OPS = {"act": act}
+
+class Other:
+    def method(self, x):
+        return x * 2
+
+OBJ = Other()
+"""
+
+
+def fingerprint_with(old: str = "", new: str = "") -> str:
+    """The key's code hash of a model reaching a helper module three ways, the helpers'
+    source edited (``old`` replaced by ``new``)."""
+    helpers = types.ModuleType("stale_helpers")
+    exec(HELPERS.replace(old, new) if old else HELPERS, vars(helpers))
+    scope = {"h": helpers}
+    exec("def model(x):\n    return h.act(x) + h.OPS['act'](x) + h.OBJ.method(x)\n", scope)
+    return code_fingerprint(scope["model"])
+
+
+def test_the_key_covers_module_attributes_containers_and_objects_classes() -> None:
+    """An edit the model reaches through ``h.act``, ``h.OPS[...]`` or ``h.OBJ.method``
+    changes its key (and so its verdicts); one in code it does not reach does not."""
+    base = fingerprint_with()
+    assert fingerprint_with() == base
+    assert fingerprint_with("    return x\n", "    return x + 1\n") == base  # other: unreached
+    for old, new in (
+        ("return x * 2\n\ndef other", "return x * 3\n\ndef other"),  # act
+        ('{"act": act}', '{"act": other}'),  # the dict's function
+        ("return x * 2\n\nOBJ", "return x * 3\n\nOBJ"),  # the object's class's method
+    ):
+        assert old in HELPERS
+        assert fingerprint_with(old, new) != base, old
