@@ -352,7 +352,7 @@ def _isa_key() -> str:
 
 def _stale_text(reasons: list[str]) -> str:
     shown = "; ".join(reasons[:5]) + (f" (and {len(reasons) - 5} more)" if len(reasons) > 5 else "")
-    return f"saved from other code ({shown}): traced afresh and saved again"
+    return f"saved from other code ({shown}): traced afresh (saved again after a warmup)"
 
 
 def _as_compiled(call: Args, buckets: BucketTable | None) -> Args | None:
