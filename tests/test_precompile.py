@@ -28,8 +28,9 @@ from safecompile.guard._precompile import ISA_SCOPE, IsaChecks, _isa_key
 from safecompile.guard.graphs import GuardBackend
 from safecompile.observe.log import torch_missing_said
 from safecompile.persist import remote as _remote
-from safecompile.persist.cache import VerdictStore
+from safecompile.persist.cache import Verdict, VerdictStore
 from safecompile.persist.remote import REMOTE_ENV_VAR
+from safecompile.persist.restart import BUCKET_VERIFIED, bucket_scope
 
 REPO = Path(__file__).resolve().parents[1]
 # The tests that save and load: where this torch cannot (2.9.1, 2.11), it says so instead.
@@ -186,11 +187,59 @@ def test_what_cannot_be_saved_is_said_once(cache_dir: Path) -> None:
 
 
 @needs_precompile
-def test_a_function_reading_a_global_value_is_not_saved(cache_dir: Path) -> None:
-    """A precompiled function would read the globals as saved, unguarded: not saved."""
+def test_a_global_value_read_is_saved_with_it_and_checked_at_load(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch drops a loaded function's guards on globals: the value each held is saved
+    and compared before loading; once it changed, the function is stale and traced."""
+    guard(scaled)
+    assert len(saved_files(cache_dir)) == 1
+    monkeypatch.setattr(sys.modules[__name__], "SCALE", 3.0)
+    before = traced()
     with capture_logs() as logs:
-        guard(scaled)
-    assert "SCALE" in next(e for e in logs if e.get("outcome") == "not_saved")["reason"]
+        g = guard(scaled)
+        torch.testing.assert_close(g(X), scaled(X))  # 3.0's result, not the saved 2.0's
+    assert traced() > before
+    stale = next(e for e in logs if e.get("outcome") == "stale")
+    assert "G['SCALE']: was 2.0, now 3.0" in stale["reason"]
+
+
+@needs_precompile
+def test_a_stale_function_under_its_own_key_drops_the_keys_verdicts(
+    cache_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An edit the key does not see (a helper reached by a computed name), found by the
+    check at load: the function is traced, and the key's bucket verdicts are learnt again."""
+    guard()
+    store = VerdictStore(cache_dir)
+    saved = {d.name: store.get(d.name, _precompile.SCOPE) for d in store.directory.iterdir()}
+    (key,) = [k for k, v in saved.items() if v is not None and v.kind == _precompile.PURPOSE]
+    verdict = Verdict(kind=BUCKET_VERIFIED, time=0.0, details={"cut": []})
+    store.put(key, verdict, bucket_scope("8x8"))
+    monkeypatch.setattr(_precompile, "stale_reasons", lambda entry, scope: ["h.py: act changed"])
+    before = traced()
+    with capture_logs() as logs:
+        g = guard()
+        torch.testing.assert_close(g(X), score(X))
+    assert traced() > before
+    assert outcomes(logs) == ["stale"]
+    assert "h.py: act changed" in next(e for e in logs if "outcome" in e)["reason"]
+    assert store.get(key, bucket_scope("8x8")) is None
+
+
+def weighted(x: torch.Tensor) -> torch.Tensor:
+    return x * WEIGHT
+
+
+WEIGHT = torch.ones(8)
+
+
+@needs_precompile
+def test_a_function_reading_a_global_tensor_is_not_saved(cache_dir: Path) -> None:
+    """A tensor's guards are not recorded: its graph is traced at every restart."""
+    with capture_logs() as logs:
+        guard(weighted)
+    assert "WEIGHT" in next(e for e in logs if e.get("outcome") == "not_saved")["reason"]
     assert saved_files(cache_dir) == []
 
 

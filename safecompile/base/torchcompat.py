@@ -55,6 +55,7 @@ __all__ = [
     "frame_code",
     "graph_line_map",
     "inductor_options",
+    "inlined_sources",
     "is_op_overload",
     "is_tensor_property",
     "lookup",
@@ -282,6 +283,22 @@ def precompiled_rewrapped(
         return Missing("AOTCompiledFunction._artifacts", "precompiled graphs are not loaded")
     rebuilt = dataclasses.replace(artifacts, compiled_fn=wrap(artifacts.compiled_fn))
     return dataclasses.replace(loaded, _artifacts=rebuilt)
+
+
+def inlined_sources(saved: Any) -> Any:
+    """What dynamo traced for a function ``aot_compile`` returned: torch's own record,
+    one ``InlinedSource`` (``module``, ``firstlineno``, ``content``: the module's text) per
+    code object (the function and each one it inlined). checked: 2.13.0
+    (``AOTCompiledFunction.source_info()``, filled from the tracing context's
+    ``traced_code``)"""
+    info = getattr(saved, "source_info", None)
+    sources = getattr(info(), "inlined_sources", None) if callable(info) else None
+    if sources is None:
+        return Missing(
+            "AOTCompiledFunction.source_info().inlined_sources",
+            "nothing is precompiled: what it came from cannot be checked at load",
+        )
+    return sources
 
 
 def compiled_function_loader() -> Callable[..., Any] | Missing:

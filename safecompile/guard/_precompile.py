@@ -36,6 +36,7 @@ from safecompile.persist.cache import (
     signed_store,
 )
 from safecompile.persist.restart import Persisted
+from safecompile.persist.sources import code_record, describe_global, stale_reasons
 from safecompile.shapes.table import BucketStatus, BucketTable
 
 from .graphs import GraphFacts, read_facts
@@ -43,12 +44,22 @@ from .graphs import GraphFacts, read_facts
 __all__ = ["Precompiled"]
 
 SCOPE = "torch.compile.aot_compile"  # the verdict listing a key's precompiled functions
+LAST_KEY = "precompiled_key"  # under the key that outlives an edit: the last key saved
 PURPOSE = "precompiled"  # the MAC's purpose for a function's bytes
 MAX_BYTES = 1 << 30
 READ_TIMEOUT_S = 30.0
-# Guards (``<kind>_MATCH``) on a global that hold while it is the same object; any
-# other guard on a global reads its value.
-_IDENTITY = frozenset(["BUILTIN", "CLASS", "CLOSURE", "FUNCTION", "ID", "MODULE"])
+# Guards (``<kind>_MATCH``) on a global that a loaded function no longer checks, whose
+# value (described) is saved and compared at load; a graph guarded on a global in any
+# other way (a tensor's) is not saved.
+_RECORDED = frozenset(
+    [
+        *("BUILTIN", "CLASS", "CLOSURE", "FUNCTION", "ID", "MODULE", "TYPE", "CONSTANT"),
+        *("EQUALS", "SEQUENCE_LENGTH", "DICT_KEYS", "DICT_LENGTH", "LIST_LENGTH", "BOOL"),
+        *("NONE", "NOT_NONE", "TUPLE_ITERATOR_LEN", "NOT_PRESENT_IN_GENERIC_DICT"),
+        *("DICT_CONTAINS", "HASATTR", "DUPLICATE_INPUT"),
+    ]
+)
+_UNRECORDED_VALUES = (torch.Tensor, torch.nn.Module)
 _TORCH_GLOBAL = "G['__import_torch"  # torch's own modules: part of the torch version
 ISA_SCOPE = "torch._inductor.cpu_vec_isa"  # the vector-ISA checks passed on this machine
 
@@ -79,6 +90,7 @@ class Precompiled:
         self._dir = root / "precompiled" if root is not None and found is not None else None
         self._persisted = persisted  # its key is ours, made by the first call's load()
         self._key: str | None = None
+        self._identity: str | None = None  # persisted.identity_key(): outlives an edit
         self._top = top  # what torch.compile compiles (see backend.own_frame)
         self._external = {"target": target}  # the live module or function, never pickled
         self._compiler = compiler
@@ -131,11 +143,15 @@ class Precompiled:
             graphs = list(self._saved.values())
             verdict = Verdict(kind=PURPOSE, time=time.time(), name=name, details={"graphs": graphs})
             store.put(key, verdict, SCOPE)
+            if self._identity is not None and self._identity != key:  # the last key saved
+                last = Verdict(kind=LAST_KEY, time=time.time(), name=name, details={"key": key})
+                store.put(self._identity, last, SCOPE)
         ISA_CHECKS.save(store)
 
     def _save_one(self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         facts: list[GraphFacts] = []
-        read: list[str] = []
+        read: list[str] = []  # globals guarded on in a way no record checks
+        recorded: dict[str, str] = {}  # the other globals guarded on: name -> value described
         unserializable = torchcompat.lookup(  # checked: 2.13.0 (torch's default filter's)
             "torch._dynamo.guards.CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES"
         )
@@ -146,15 +162,19 @@ class Precompiled:
             return compiled
 
         def guards(entries: list[Any]) -> list[bool]:
-            # as torch's default, no guard on a global is kept: the value it was saved with
-            # would serve unguarded, so a graph reading one of the user's is not saved
-            read.extend(
-                g.name
-                for g in entries
-                if g.is_global
-                and g.guard_type.removesuffix("_MATCH") not in _IDENTITY
-                and not g.name.startswith(_TORCH_GLOBAL)
-            )
+            # as torch's default, no guard on a global is kept: each is recorded with the
+            # value it held (checked before a load), or the graph is not saved
+            for g in entries:
+                if not g.is_global or g.name.startswith(_TORCH_GLOBAL):
+                    continue
+                if (
+                    g.has_value
+                    and g.guard_type.removesuffix("_MATCH") in _RECORDED
+                    and not isinstance(g.value, _UNRECORDED_VALUES)
+                ):
+                    recorded[g.name] = describe_global(g.value)
+                else:
+                    read.append(g.name)
             return [not (g.is_global or g.guard_type in (unserializable or ())) for g in entries]
 
         compile_: Any = torchcompat.torch_compile()  # torch's own, under install() too
@@ -165,6 +185,11 @@ class Precompiled:
         saved = fn.aot_compile((args, kwargs))
         if facts[0].effects or read:  # updates to find again at run time, or global values
             raise ValueError(f"it updates Python objects or reads globals {read[:3]}")
+        inlined = torchcompat.inlined_sources(saved)
+        if isinstance(inlined, torchcompat.Missing):
+            raise LookupError(inlined.name)  # what it came from could not be checked
+        scope = str(self._top.__globals__.get("__name__"))
+        record = code_record(inlined, recorded, scope)
         data: bytes = type(saved).serialize(saved, self._external).serialized_data
         file = f"{hashlib.sha256(data).hexdigest()[:32]}.bin"
         assert self._signer is not None
@@ -175,7 +200,7 @@ class Precompiled:
         shared = remote is not None and remote.put_blob(key, file, sealed)
         if not _write_atomic(self._dir / key / file, sealed) and not shared:
             raise OSError("written neither to the cache dir nor to the remote tier")
-        self._saved[file] = dataclasses.asdict(facts[0]) | {"file": file}
+        self._saved[file] = dataclasses.asdict(facts[0]) | {"file": file, "code": record}
         return saved
 
     def load(self, args: tuple[Any, ...], kwargs: dict[str, Any], adopt: Adopt) -> None:
@@ -189,21 +214,47 @@ class Precompiled:
         key = self._key = self._persisted.key(args, kwargs)
         if self._dir is None:  # this torch cannot load them
             return
+        self._identity = self._persisted.identity_key(args, kwargs)
         verdict = self._store.get(key, SCOPE) if key is not None else None
         if key is None or verdict is None:
-            self._event("missing", "nothing saved for this key: traced as usual", logging.INFO)
+            self._missing(key)
             return
         loaded = []
+        stale: list[str] = []
         for entry in verdict.details.get("graphs", []):
+            reasons = stale_reasons(entry, self._top.__globals__)
+            if reasons:  # saved from other code: traced afresh, saved again
+                stale.extend(r for r in reasons if r not in stale)
+                continue
             try:
                 loaded.append(self._load_one(key, entry, adopt))
                 self._saved[str(entry["file"])] = entry  # kept when this process saves more
             except Exception as exc:  # unsigned, tampered, another torch, not loadable
                 self._event("not_loaded", f"{type(exc).__name__}: {exc}", logging.WARNING)
         self._loaded = tuple(loaded)
+        if stale:  # the key missed an edit: what else it holds is as old
+            self._persisted.forget_verdicts()
+            self._event("stale", _stale_text(stale), logging.INFO)
         if loaded:
             reason = f"{len(loaded)} graph(s) loaded, not traced"
             log_event("safecompile.precompiled", outcome="loaded", reason=reason)
+
+    def _missing(self, key: str | None) -> None:
+        """Nothing saved under this key: said ``stale`` with what changed when the last key
+        saved for this callable was another (an edit in code the key's walk sees)."""
+        assert self._store is not None
+        last = self._store.get(self._identity, SCOPE) if self._identity is not None else None
+        before = last.details.get("key") if last is not None else None
+        old = self._store.get(before, SCOPE) if isinstance(before, str) and before != key else None
+        reasons: list[str] = []
+        for entry in old.details.get("graphs", []) if old is not None else []:
+            reasons.extend(
+                r for r in stale_reasons(entry, self._top.__globals__) if r not in reasons
+            )
+        if reasons:
+            self._event("stale", _stale_text(reasons), logging.INFO)
+        else:
+            self._event("missing", "nothing saved for this key: traced as usual", logging.INFO)
 
     def _load_one(self, key: str, entry: dict[str, Any], adopt: Adopt) -> Any:
         file = str(entry["file"])  # a name this module made: the index is signed
@@ -297,6 +348,11 @@ def _isa_key() -> str:
     lib = os.path.join(os.path.dirname(torch.__file__), "lib")
     facts = environment("cpu") | {"torch.lib": lib, "python.executable": sys.executable}
     return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
+
+
+def _stale_text(reasons: list[str]) -> str:
+    shown = "; ".join(reasons[:5]) + (f" (and {len(reasons) - 5} more)" if len(reasons) > 5 else "")
+    return f"saved from other code ({shown}): traced afresh (saved again after a warmup)"
 
 
 def _as_compiled(call: Args, buckets: BucketTable | None) -> Args | None:

@@ -70,6 +70,21 @@ _LIBRARY_ROOTS = frozenset(
     {"torch", "torchvision", "torchaudio", "triton", "functorch", "safecompile", "builtins"}
 )
 
+# Values fed as text alone: no class of the user's to walk.
+_PLAIN = (
+    type(None),
+    bool,
+    int,
+    float,
+    str,
+    bytes,
+    complex,
+    enum.Enum,
+    set,
+    frozenset,
+    torch.Tensor,
+)
+
 _lock = threading.Lock()
 
 
@@ -172,13 +187,15 @@ def _device_info(device: str | torch.device) -> dict[str, str]:
 
 
 def artifact_key(
-    fn: Callable[..., Any], *, device: str | torch.device = "cpu", **compile: Any
+    fn: Callable[..., Any], *, device: str | torch.device = "cpu", code: bool = True, **compile: Any
 ) -> str:
     """A hex hash of what makes ``fn``'s artifacts stale: environment, code, and the compile
-    options given (``backend=``, ``mode=``, ...; one set to ``None`` counts as not given)."""
+    options given (``backend=``, ``mode=``, ...; one set to ``None`` counts as not given).
+    ``code=False``: ``fn``'s name instead of its code, a key that outlives an edit (it
+    points to the last key saved, so a restart can say what changed)."""
     parts = {
         "environment": environment(device),
-        "code": code_fingerprint(fn),
+        "code": code_fingerprint(fn) if code else _identity(fn),
         "compile": {name: _stable(value) for name, value in compile.items() if value is not None},
     }
     blob = json.dumps(parts, sort_keys=True, default=str).encode()
@@ -188,9 +205,12 @@ def artifact_key(
 class CallKey:
     """One callable's :func:`artifact_key`, made at its first call (its first tensor's device)."""
 
-    def __init__(self, target: Callable[..., Any], options: Mapping[str, Any]) -> None:
+    def __init__(
+        self, target: Callable[..., Any], options: Mapping[str, Any], *, code: bool = True
+    ) -> None:
         self._target = target
         self._options = dict(options)
+        self._code = code
         self.value: str | None = None  # None until a call made it
 
     def get(self, args: tuple[Any, ...], kwargs: Mapping[str, Any] | None = None) -> str | None:
@@ -201,10 +221,19 @@ class CallKey:
                 (t.device for t in values if isinstance(t, torch.Tensor)), torch.device("cpu")
             )
             try:
-                self.value = artifact_key(self._target, device=device, **self._options)
+                self.value = artifact_key(
+                    self._target, device=device, code=self._code, **self._options
+                )
             except Exception as exc:  # never fail a call over a key
                 warn_ignored("key", exc)
         return self.value
+
+
+def _identity(fn: object) -> str:
+    """``fn``'s module and qualified name (a module instance's: its class's)."""
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{module}.{name}"
 
 
 def code_fingerprint(fn: Callable[..., Any]) -> str:
@@ -222,6 +251,7 @@ class _CodeWalker:
     def __init__(self) -> None:
         self._hash = hashlib.sha256()
         self._seen: set[int] = set()
+        self._attrs: set[tuple[int, str]] = set()  # (module id, attribute) walked
         self._budget = _MAX_CODE_OBJECTS
 
     def digest(self) -> str:
@@ -278,14 +308,33 @@ class _CodeWalker:
         if wrapped is not None:
             self.value(wrapped)
 
-    def _reached(self, obj: object) -> None:
-        """Something fn's code reaches: walk user code, name the rest."""
+    def _reached(self, obj: object, attrs: tuple[str, ...] = (), depth: int = 0) -> None:
+        """Something fn's code reaches: walk user code, name the rest. A user module's
+        attributes the code names (``attrs``: ``m.f`` names ``f``) are walked too, and so
+        are a container's items and a user object's class."""
         if isinstance(obj, types.FunctionType | type | torch.nn.Module | functools.partial):
             self.value(obj)
         elif isinstance(obj, types.ModuleType):
             self.feed("module", obj.__name__)
+            if obj.__name__.partition(".")[0] in _LIBRARY_ROOTS or depth > 3:
+                return
+            for name in attrs:
+                if name in vars(obj) and (id(obj), name) not in self._attrs:
+                    self._attrs.add((id(obj), name))
+                    self.feed("attr", name)
+                    self._reached(vars(obj)[name], attrs, depth + 1)
         else:
             self.feed("value", _stable(obj))
+            if depth > 3:
+                return
+            if isinstance(obj, dict):
+                for item in obj.values():
+                    self._reached(item, attrs, depth + 1)
+            elif isinstance(obj, list | tuple):
+                for item in obj:
+                    self._reached(item, attrs, depth + 1)
+            elif not isinstance(obj, _PLAIN) and not _is_library(type(obj)):
+                self.klass(type(obj))
 
     def code(self, code: types.CodeType, names: Mapping[str, Any]) -> None:
         """``code``, its nested code and the globals (``names``) they read."""
@@ -310,7 +359,7 @@ class _CodeWalker:
                 self.feed("const", _stable(const))
         for name in code.co_names:
             if name in names:
-                self._reached(names[name])
+                self._reached(names[name], code.co_names)
 
     def klass(self, cls: type) -> None:
         for k in cls.__mro__:

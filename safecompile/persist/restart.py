@@ -48,6 +48,7 @@ class Persisted:
     def __init__(self, target: Callable[..., Any], options: Mapping[str, Any]) -> None:
         self._root, self._store = signed_store()  # the root is used only with the store
         self._key = CallKey(target, options)
+        self._identity = CallKey(target, options, code=False)
         self._lock = threading.Lock()
         self._artifacts_checked = False
 
@@ -59,6 +60,11 @@ class Persisted:
     def key(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
         """The artifact key, made at the first call (the device is the first tensor's)."""
         return self._key.get(args, kwargs) if self._store is not None else None
+
+    def identity_key(self, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str | None:
+        """A key like :meth:`key` with the callable's name for its code: it outlives an
+        edit, so what was saved before one can be found and said to be stale."""
+        return self._identity.get(args, kwargs) if self._store is not None else None
 
     def restore(self, entry: BucketEntry, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> None:
         """A bucket's first sight in this process: take an earlier process's verdict."""
@@ -166,6 +172,13 @@ class Persisted:
     def _blob(self, key: str) -> Path:
         assert self._root is not None
         return self._root / "artifacts" / f"{key}.bin"
+
+    def forget_verdicts(self) -> None:
+        """Code under this key changed (an edit the key does not see, found by a precompiled
+        function's check at load): every verdict saved under it is learnt afresh."""
+        key = self._key.value
+        if self._store is not None and key is not None:
+            self._store.clear(key)
 
     def forget(self) -> None:
         """``reset()``: drop this key's bucket verdicts and artifacts, learn afresh."""
