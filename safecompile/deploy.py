@@ -415,7 +415,7 @@ def _cache(args: argparse.Namespace) -> int:
         for r in bad:
             for problem in r["problems"]:
                 print(f"{r['key'][:12]} {r['function'] or '-'}: {problem}")
-        print(f"verify: {len(rows) - len(bad)} of {len(rows)} entries good in {root}")
+        print(f"verify: {len(rows) - len(bad)} of {_entries(len(rows))} good in {root}")
     return EXIT_FAILED if args.action == "verify" and bad else EXIT_OK
 
 
@@ -482,7 +482,7 @@ def _print_list(doc: dict[str, Any]) -> None:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
     torch_bytes = _size(doc["torch_cache_bytes"])
     print(
-        f"{len(rows)} entries, {_size(sum(r['bytes'] for r in rows))} in {doc['root']} "
+        f"{_entries(len(rows))}, {_size(sum(r['bytes'] for r in rows))} in {doc['root']} "
         f"(and torch's own caches: {torch_bytes})"
     )
 
@@ -534,7 +534,7 @@ def _prune(
             f"{item['files']} file(s), {_size(item['bytes'])}"
         )
     total = _size(sum(i["bytes"] for i in removed))
-    print(f"prune: {verb} {len(removed)} of {len(rows)} entries ({total}) in {root}")
+    print(f"prune: {verb} {len(removed)} of {_entries(len(rows))} ({total}) in {root}")
     return EXIT_OK
 
 
@@ -556,6 +556,10 @@ def _prune_reason(args: argparse.Namespace, r: dict[str, Any]) -> str | None:
         (args.key is not None and r["key"].startswith(args.key or ""), f"key {args.key}"),
     )
     return next((why for matched, why in criteria if matched), None)
+
+
+def _entries(n: int) -> str:
+    return f"{n} {'entry' if n == 1 else 'entries'}"
 
 
 def _size(n: float) -> str:

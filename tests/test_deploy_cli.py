@@ -152,7 +152,7 @@ def test_prebuild_builds_every_warmup_and_list_shows_it(
     assert "yes" in out
 
     code, out, _ = cli(capsys, "cache", "verify")
-    assert (code, out.strip().splitlines()[-1]) == (0, f"verify: 1 of 1 entries good in {store}")
+    assert (code, out.strip().splitlines()[-1]) == (0, f"verify: 1 of 1 entry good in {store}")
 
 
 @needs_precompile
