@@ -34,7 +34,7 @@ from safecompile.guard.decorator import Guarded
 from safecompile.observe.log import LOGGER_NAME
 from safecompile.persist import inventory
 from safecompile.persist.cache import CACHE_ENV_VAR, cache_root, keys_made, usable_root
-from safecompile.persist.remote import REMOTE_ENV_VAR, parse_url, redacted
+from safecompile.persist.remote import BLOB_PREFIX, REMOTE_ENV_VAR, activate, parse_url, redacted
 from safecompile.persist.signing import KEY_ENV_VAR, KEY_FILE_ENV_VAR, signer
 
 __all__ = ["COMMANDS", "add_commands", "run"]
@@ -58,17 +58,30 @@ them the options the service uses: entries are keyed by them, and by the code, t
 Python and device."""
 
 _CACHE = f"""\
-Look inside ${CACHE_ENV_VAR} (or --dir): each entry (an artifact key) with its function,
-precompiled graphs, bucket verdicts, torch version, size, age, whether its signature
-verifies under ${KEY_ENV_VAR}, and whether it was built from the code importable here
-(the module is imported with the kill switch on: nothing compiles).
+Look inside ${CACHE_ENV_VAR} (or --dir DIR): each entry (one artifact key) with its
+function, precompiled graphs, bucket verdicts, torch version, size, age, whether its
+signature verifies under ${KEY_ENV_VAR}, and whether it was built from the code
+importable here (its module is imported with the kill switch on: nothing compiles).
+Nothing stored is unpickled."""
 
-  list     every entry
-  verify   exit 1 if any entry has an invalid signature, was made by another torch or
-           Python (foreign) or by other code (stale)
-  prune    delete the entries that match any of the criteria given
-
-Exit 0 done (verify: all good), 1 verify found a problem, 2 usage error."""
+_ACTIONS = {
+    "list": (
+        "list every entry",
+        "List every entry; --json for machines. Exit 0, 2 usage error.",
+    ),
+    "verify": (
+        "exit 1 on an invalid, foreign or stale entry",
+        "Check every entry: exit 1, naming each entry, file and reason, if a signature does "
+        "not verify (tampered, or another key), an entry was made by another torch or Python "
+        "(foreign) or from other code than the code importable here (stale); 0 when all are "
+        "good; 2 usage error (verify needs the key).",
+    ),
+    "prune": (
+        "delete stale, foreign, old or invalid entries",
+        "Delete every entry that matches any of the criteria given (--dry-run first to see "
+        "which). Exit 0 done, 2 usage error.",
+    ),
+}
 
 
 def add_commands(commands: Any) -> None:
@@ -92,12 +105,8 @@ def add_commands(commands: Any) -> None:
         formatter_class=raw,
     )
     actions = cache.add_subparsers(dest="action", metavar="ACTION")
-    for name, text in (
-        ("list", "list every entry"),
-        ("verify", "exit 1 on an invalid, foreign or stale entry"),
-        ("prune", "delete stale, foreign, old or invalid entries"),
-    ):
-        sub = actions.add_parser(name, help=text, description=text)
+    for name, (summary, text) in _ACTIONS.items():
+        sub = actions.add_parser(name, help=summary, description=text)
         sub.add_argument(
             "--dir", metavar="DIR", help=f"the cache directory (default ${CACHE_ENV_VAR})"
         )
@@ -224,7 +233,10 @@ def _prebuild(args: argparse.Namespace) -> int:
         done = sum(b.ok for b in built)
         print(f"prebuild: {done} of {len(built)} built into {where}")
         if args.json:
-            Path(args.json).write_text(text + "\n", encoding="utf-8")
+            try:
+                Path(args.json).write_text(text + "\n", encoding="utf-8")
+            except OSError as exc:
+                return _usage("prebuild", f"cannot write {args.json}: {exc.strerror or exc}")
     return EXIT_OK if built and all(b.ok for b in built) else EXIT_FAILED
 
 
@@ -329,28 +341,12 @@ def _pair(value: object) -> bool:
 
 
 def _build(fn: Guarded, calls: tuple[doctor.Example, ...], root: Path, notes: _Notes) -> Built:
-    control = fn.safecompile
-    name = control.name
+    """Warm ``fn`` (its own warmup, then ``calls``) and read what reached the store."""
+    name = fn.safecompile.name
     saw = len(notes.not_saved)
-    control.wait_warm()  # a background warmup started at decoration
-    for call in calls:
-        control.warmup(*call.args, **call.kwargs)
-    state = control.state
-    if state is State.DISABLED:
-        return Built(name, ok=False, why="disabled by the kill switch (SAFECOMPILE_DISABLE)")
-    if state is State.ROLLED_BACK:
-        last = control.stats().last_rollback
-        why = f"{last.reason.value}: {last.message}" if last and last.reason else "rolled back"
-        return Built(name, ok=False, why=f"rolled back at warmup ({why})")
-    failed = [e for e in control.events() if e.kind is EventKind.WARMUP_FAILED]
-    if failed:
-        return Built(name, ok=False, why=f"warmup failed: {failed[-1].message}")
-    if state is State.PENDING:
-        return Built(
-            name,
-            ok=False,
-            why="nothing compiled: give it Warmup(inputs=[...]) or return (guarded, inputs)",
-        )
+    why = _warm(fn, calls)
+    if why is not None:
+        return Built(name, ok=False, why=why)
     made = keys_made()
     entries = [e for e in inventory.scan(root, signer()) if e.key in made and e.function == name]
     graphs = tuple(label for e in entries for label in e.labels)
@@ -360,8 +356,56 @@ def _build(fn: Guarded, calls: tuple[doctor.Example, ...], root: Path, notes: _N
     if not graphs:
         reasons = notes.not_saved[saw:]
         why = "no graph was precompiled" + (f": {reasons[-1]}" if reasons else "")
-        return Built(name, ok=False, why=why, bytes=size, buckets=buckets)
-    return Built(name, ok=True, why=None, graphs=graphs, buckets=buckets, bytes=size, keys=keys)
+    else:
+        why = _not_shared([e for e in entries if e.graphs])
+    return Built(
+        name, ok=why is None, why=why, graphs=graphs, buckets=buckets, bytes=size, keys=keys
+    )
+
+
+def _warm(fn: Guarded, calls: tuple[doctor.Example, ...]) -> str | None:
+    """Why ``fn`` did not warm up (``None``: it did)."""
+    control = fn.safecompile
+    control.wait_warm()  # a background warmup started at decoration
+    for call in calls:
+        control.warmup(*call.args, **call.kwargs)
+    state = control.state
+    if state is State.DISABLED:
+        return "disabled by the kill switch (SAFECOMPILE_DISABLE)"
+    if state is State.ROLLED_BACK:
+        last = control.stats().last_rollback
+        why = f"{last.reason.value}: {last.message}" if last and last.reason else "rolled back"
+        return f"rolled back at warmup ({why})"
+    failed = [e for e in control.events() if e.kind is EventKind.WARMUP_FAILED]
+    if failed:
+        return f"warmup failed: {failed[-1].message}"
+    if state is State.PENDING:
+        return "nothing compiled: give it Warmup(inputs=[...]) or return (guarded, inputs)"
+    return None
+
+
+def _not_shared(entries: list[inventory.Entry]) -> str | None:
+    """With ``SAFECOMPILE_REMOTE_CACHE``, what of ``entries`` did not reach Redis."""
+    url = os.environ.get(REMOTE_ENV_VAR, "").strip()
+    if not url:
+        return None
+    tier = activate()
+    if tier is None:
+        return f"not written to {redacted(url)}: the remote cache is off (see the warning)"
+    for entry in entries:
+        blobs = [
+            f"{BLOB_PREFIX}{entry.key}:{Path(f.path).name}"
+            for f in entry.files
+            if f.path.startswith("precompiled")
+        ]
+
+        def stored(client: Any, blobs: list[str] = blobs) -> bool:
+            return all(client.exists(blob) for blob in blobs)
+
+        index = tier.get(entry.key, inventory.PRECOMPILED_SCOPE)
+        if index is None or not tier.link.run_or(stored, False):
+            return f"not written to {redacted(url)} (it did not answer, or lost the entry)"
+    return None
 
 
 def _built_line(b: Built, where: str) -> str:

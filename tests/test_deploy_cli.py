@@ -25,6 +25,7 @@ from safecompile.__main__ import main
 from safecompile.base import torchcompat
 from safecompile.guard import _precompile
 from safecompile.persist import inventory
+from safecompile.persist import remote as _remote
 from safecompile.persist.cache import code_fingerprint, provenance
 from safecompile.persist.signing import signer
 
@@ -165,6 +166,25 @@ def test_prebuild_json_to_stdout(
     assert built["ok"] is True
     assert built["graphs"] == ["8x8:float32"]
     assert built["bytes"] > 0
+
+
+@needs_precompile
+def test_prebuild_into_a_redis_that_does_not_answer_fails(
+    store: Path, target: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With only SAFECOMPILE_REMOTE_CACHE it builds through a temporary directory, and what
+    did not reach Redis is not built."""
+    url = "redis://127.0.0.1:1/0"  # nothing listens on port 1: refused at once
+    monkeypatch.delenv("SAFECOMPILE_CACHE_DIR")
+    monkeypatch.setenv("SAFECOMPILE_REMOTE_CACHE", url)
+    try:
+        code, out, _ = cli(capsys, "prebuild", f"{target}:targets")
+    finally:
+        _remote.reset()  # torch's remote-cache flags as they were
+    assert code == 1
+    assert f"FAILED {target.stem}.score: not written to {url} (it did not answer" in out
+    assert f"prebuild: 0 of 1 built into {url}" in out
+    assert not (store / "precompiled").exists()
 
 
 def test_prebuild_fails_when_nothing_compiles(
