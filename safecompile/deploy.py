@@ -5,7 +5,7 @@ look inside one (docs/deploying.md).
 convention); the guarded callables it returns warm up as they would in the service (every
 ``Warmup`` example, every bucket), which seals their precompiled functions into
 ``SAFECOMPILE_CACHE_DIR`` (and ``SAFECOMPILE_REMOTE_CACHE``). ``cache list|verify|prune``
-reads a cache directory through :mod:`safecompile.persist.inventory`.
+reads a cache directory or a Redis through :mod:`safecompile.persist.inventory`.
 """
 
 from __future__ import annotations
@@ -34,8 +34,17 @@ from safecompile.guard.decorator import Guarded
 from safecompile.observe.log import LOGGER_NAME
 from safecompile.persist import inventory
 from safecompile.persist.cache import CACHE_ENV_VAR, cache_root, keys_made, usable_root
-from safecompile.persist.remote import BLOB_PREFIX, REMOTE_ENV_VAR, activate, parse_url, redacted
-from safecompile.persist.signing import KEY_ENV_VAR, KEY_FILE_ENV_VAR, signer
+from safecompile.persist.remote import (
+    BLOB_PREFIX,
+    REMOTE_ENV_VAR,
+    RedisLink,
+    RemoteUnavailableError,
+    RemoteVerdicts,
+    activate,
+    parse_url,
+    redacted,
+)
+from safecompile.persist.signing import KEY_ENV_VAR, KEY_FILE_ENV_VAR, Signer, signer
 
 __all__ = ["COMMANDS", "add_commands", "run"]
 
@@ -58,7 +67,8 @@ them the options the service uses: entries are keyed by them, and by the code, t
 Python and device."""
 
 _CACHE = f"""\
-Look inside ${CACHE_ENV_VAR} (or --dir DIR): each entry (one artifact key) with its
+Look inside ${CACHE_ENV_VAR} (--dir DIR: another directory; --remote [URL]: the
+Redis of ${REMOTE_ENV_VAR}, or URL's). Each entry (one artifact key) with its
 function, precompiled graphs, bucket verdicts, torch version, size, age, whether its
 signature verifies under ${KEY_ENV_VAR}, and whether it was built from the code
 importable here (its module is imported with the kill switch on: nothing compiles).
@@ -109,6 +119,13 @@ def add_commands(commands: Any) -> None:
         sub = actions.add_parser(name, help=summary, description=text)
         sub.add_argument(
             "--dir", metavar="DIR", help=f"the cache directory (default ${CACHE_ENV_VAR})"
+        )
+        sub.add_argument(
+            "--remote",
+            metavar="URL",
+            nargs="?",
+            const="",
+            help=f"the Redis instead (default URL: ${REMOTE_ENV_VAR})",
         )
         sub.add_argument("--json", action="store_true", help="print JSON instead of text")
         sub.add_argument(
@@ -424,11 +441,7 @@ def _built_line(b: Built, where: str) -> str:
 
 
 def _cache(args: argparse.Namespace) -> int:
-    root = Path(args.dir).absolute() if args.dir else cache_root()
-    if root is None:
-        raise _Usage(f"which cache? set {CACHE_ENV_VAR} or give --dir DIR")
-    if not root.is_dir():
-        raise _Usage(f"no cache directory at {root}")
+    store = _Store.chosen(args)
     signing = signer()
     needs_key = args.action == "verify" or (args.action == "prune" and args.invalid)
     if signing is None and needs_key:
@@ -436,18 +449,18 @@ def _cache(args: argparse.Namespace) -> int:
     if args.action == "prune":
         _check_prune(args)
     now = time.time()
-    entries = inventory.scan(root, signing)
+    entries = store.scan(signing)
     with _importing():
         rows = [_row(e, now, checked=not args.no_import) for e in entries]
     if args.action == "prune":
-        return _prune(args, root, entries, rows)
+        return _prune(args, store, entries, rows)
     doc = {
         "schema": SCHEMA,
         "version": SCHEMA_VERSION,
-        "root": str(root),
+        "root": store.where,
         "time": now,
         "signatures_checked": signing is not None,
-        "torch_cache_bytes": inventory.torch_cache_bytes(root),
+        "torch_cache_bytes": store.torch_cache_bytes(),
         "entries": rows,
     }
     bad = [r for r in rows if r["problems"]]
@@ -459,7 +472,7 @@ def _cache(args: argparse.Namespace) -> int:
         for r in bad:
             for problem in r["problems"]:
                 print(f"{r['key'][:12]} {r['function'] or '-'}: {problem}")
-        print(f"verify: {len(rows) - len(bad)} of {_entries(len(rows))} good in {root}")
+        print(f"verify: {len(rows) - len(bad)} of {_entries(len(rows))} good in {store.where}")
     return EXIT_FAILED if args.action == "verify" and bad else EXIT_OK
 
 
@@ -480,6 +493,53 @@ def _importing() -> Iterator[None]:
             os.environ.pop(ENV_VAR, None)
         else:
             os.environ[ENV_VAR] = before
+
+
+@dataclasses.dataclass(frozen=True)
+class _Store:
+    """What ``cache`` looks inside: a directory, or a Redis (``remote``)."""
+
+    where: str
+    root: Path | None = None
+    remote: RemoteVerdicts | None = None
+
+    @classmethod
+    def chosen(cls, args: argparse.Namespace) -> _Store:
+        if args.remote is not None:
+            if args.dir:
+                raise _Usage("give --dir or --remote, not both")
+            url = args.remote or os.environ.get(REMOTE_ENV_VAR, "").strip()
+            if not url:
+                raise _Usage(f"which Redis? set {REMOTE_ENV_VAR} or give --remote URL")
+            try:
+                link = RedisLink(url, purpose="safecompile cache", quiet=True)
+            except ValueError as exc:
+                raise _Usage(f"--remote: {exc}") from None
+            return cls(where=redacted(url), remote=RemoteVerdicts(link))
+        root = Path(args.dir).absolute() if args.dir else cache_root()
+        if root is None:
+            raise _Usage(f"which cache? set {CACHE_ENV_VAR} or give --dir DIR (or --remote)")
+        if not root.is_dir():
+            raise _Usage(f"no cache directory at {root}")
+        return cls(where=str(root), root=root)
+
+    def scan(self, signing: Signer | None) -> list[inventory.Entry]:
+        if self.root is not None:
+            return inventory.scan(self.root, signing)
+        assert self.remote is not None
+        try:
+            return inventory.scan_remote(self.remote, signing)
+        except RemoteUnavailableError as exc:
+            raise _Usage(f"cannot read {self.where}: {exc}") from None
+
+    def torch_cache_bytes(self) -> int | None:
+        return inventory.torch_cache_bytes(self.root) if self.root is not None else None
+
+    def remove(self, entry: inventory.Entry) -> int:
+        if self.root is not None:
+            return inventory.remove(self.root, entry)
+        assert self.remote is not None
+        return inventory.remove_remote(self.remote, entry)
 
 
 def _row(entry: inventory.Entry, now: float, *, checked: bool) -> dict[str, Any]:
@@ -524,11 +584,10 @@ def _print_list(doc: dict[str, Any]) -> None:
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     for row in table:
         print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip())
-    torch_bytes = _size(doc["torch_cache_bytes"])
-    print(
-        f"{_entries(len(rows))}, {_size(sum(r['bytes'] for r in rows))} in {doc['root']} "
-        f"(and torch's own caches: {torch_bytes})"
-    )
+    torch_bytes = doc["torch_cache_bytes"]
+    torch_caches = "" if torch_bytes is None else f" (and torch's own caches: {_size(torch_bytes)})"
+    total = _size(sum(r["bytes"] for r in rows))
+    print(f"{_entries(len(rows))}, {total} in {doc['root']}{torch_caches}")
 
 
 def _check_prune(args: argparse.Namespace) -> None:
@@ -546,7 +605,7 @@ def _check_prune(args: argparse.Namespace) -> None:
 
 def _prune(
     args: argparse.Namespace,
-    root: Path,
+    store: _Store,
     entries: list[inventory.Entry],
     rows: list[dict[str, Any]],
 ) -> int:
@@ -555,7 +614,7 @@ def _prune(
         why = _prune_reason(args, r)
         if why is None:
             continue
-        files = len(entry.files) if args.dry_run else inventory.remove(root, entry)
+        files = len(entry.files) if args.dry_run else store.remove(entry)
         removed.append(
             {"key": entry.key, "function": entry.function, "why": why, "files": files}
             | {"bytes": entry.bytes}
@@ -564,7 +623,7 @@ def _prune(
         doc = {
             "schema": SCHEMA,
             "version": SCHEMA_VERSION,
-            "root": str(root),
+            "root": store.where,
             "dry_run": args.dry_run,
             "removed": removed,
             "kept": len(rows) - len(removed),
@@ -578,7 +637,7 @@ def _prune(
             f"{item['files']} file(s), {_size(item['bytes'])}"
         )
     total = _size(sum(i["bytes"] for i in removed))
-    print(f"prune: {verb} {len(removed)} of {_entries(len(rows))} ({total}) in {root}")
+    print(f"prune: {verb} {len(removed)} of {_entries(len(rows))} ({total}) in {store.where}")
     return EXIT_OK
 
 

@@ -8,6 +8,7 @@ here, as a process of that code or torch would have written them.
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import importlib
 import itertools
@@ -15,6 +16,7 @@ import json
 import os
 import textwrap
 import time
+import types
 from pathlib import Path
 from typing import Any
 
@@ -435,3 +437,86 @@ def test_listing_imports_with_the_kill_switch_on(
     assert importing_warms_up.SWITCH == "1"
     assert row["current"] is False
     assert "SAFECOMPILE_DISABLE" not in os.environ
+
+
+class FakeRedis:
+    """The redis-py calls ``cache --remote`` makes, over a dict (no server needed)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def scan_iter(self, match: str, count: int = 0) -> list[bytes]:
+        return [k.encode() for k in sorted(self.data) if fnmatch.fnmatchcase(k, match)]
+
+    def hgetall(self, name: str) -> dict[bytes, bytes]:
+        return {k.encode(): v for k, v in self.data.get(name, {}).items()}
+
+    def get(self, name: str) -> bytes | None:
+        value = self.data.get(name)
+        return value if isinstance(value, bytes) else None
+
+    def delete(self, *names: str | bytes) -> int:
+        keys = [n.decode() if isinstance(n, bytes) else n for n in names]
+        return sum(self.data.pop(k, None) is not None for k in keys)
+
+
+@pytest.fixture
+def fake_redis(monkeypatch: pytest.MonkeyPatch) -> FakeRedis:
+    fake = FakeRedis()
+    redis = types.SimpleNamespace(
+        Redis=types.SimpleNamespace(from_url=lambda url, **options: fake),
+        retry=types.SimpleNamespace(Retry=lambda *args: None),
+        backoff=types.SimpleNamespace(NoBackoff=lambda: None),
+    )
+    monkeypatch.setattr(_remote, "_import_redis", lambda: redis)
+    return fake
+
+
+def test_cache_looks_inside_redis(
+    store: Path, fake_redis: FakeRedis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--remote: the same listing, verify and prune over what Redis holds."""
+    signing = signer()
+    assert signing is not None
+    for key, name in (("a" * 32, "app.score"), ("b" * 32, "app.rank")):
+        path = entry(store, key, name=name, scope=_precompile.SCOPE)
+        fields = {_precompile.SCOPE: path.read_bytes()}
+        fake_redis.data[f"{_remote.VERDICT_PREFIX}{key}"] = fields
+        sealed = signing.seal("precompiled", f"{key}/f.bin", b"compiled code")
+        fake_redis.data[f"{_remote.BLOB_PREFIX}{key}:f.bin"] = sealed
+    fake_redis.data[f"{_remote.BLOB_PREFIX}{'b' * 32}:f.bin"] += b"tampered"
+    url = "redis://cache.internal:6379/0"
+
+    rows = listed(capsys, "--remote", url, "--no-import")["entries"]
+    assert [(r["function"], r["signature"]) for r in rows] == [
+        ("app.score", True),
+        ("app.rank", False),
+    ]
+    code, out, _ = cli(capsys, "cache", "verify", "--remote", url, "--no-import")
+    assert code == 1
+    assert f"{'b' * 12} app.rank: invalid signature: safecompile:v1:blobs:{'b' * 32}:f.bin" in out
+    assert f"verify: 1 of 2 entries good in {url}" in out
+
+    code, out, _ = cli(capsys, "cache", "prune", "--remote", url, "--invalid", "--no-import")
+    assert code == 0
+    assert sorted(fake_redis.data) == [
+        f"{_remote.BLOB_PREFIX}{'a' * 32}:f.bin",
+        f"{_remote.VERDICT_PREFIX}{'a' * 32}",
+    ]
+
+
+def test_cache_remote_usage_errors(
+    store: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = cli(capsys, "cache", "list", "--remote")
+    assert code == 2
+    assert "which Redis? set SAFECOMPILE_REMOTE_CACHE or give --remote URL" in err
+    code, _, err = cli(capsys, "cache", "list", "--remote", "http://x")
+    assert code == 2
+    assert "--remote: 'http://x': expected redis://" in err
+    code, _, err = cli(capsys, "cache", "list", "--remote", "redis://x", "--dir", str(store))
+    assert code == 2
+    assert "give --dir or --remote, not both" in err
+    code, _, err = cli(capsys, "cache", "list", "--remote", "redis://127.0.0.1:1/0")
+    assert code == 2  # nothing listens on port 1
+    assert "cannot read redis://127.0.0.1:1/0: " in err

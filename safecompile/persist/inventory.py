@@ -1,4 +1,5 @@
-"""What a cache directory holds, for ``safecompile cache``: its entries by artifact key.
+"""What a cache directory (or the Redis tier) holds, for ``safecompile cache``: its
+entries by artifact key.
 
 An entry is everything stored under one key: signed verdicts (``verdicts/KEY/``), the
 precompiled functions they index (``precompiled/KEY/``) and torch's artifact blob
@@ -17,6 +18,7 @@ import json
 import os
 import platform
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ import torch
 from .bounded import read_file
 from .cache import _PURPOSE as VERDICT_PURPOSE
 from .cache import MAX_VERDICT_BYTES, _doc_name, code_fingerprint
+from .remote import BLOB_PREFIX, VERDICT_PREFIX, RemoteVerdicts
 from .restart import _ARTIFACTS_PURPOSE, BUCKET_REJECTED, BUCKET_VERIFIED
 from .signing import Signer
 
@@ -36,7 +39,9 @@ __all__ = [
     "foreign",
     "is_current",
     "remove",
+    "remove_remote",
     "scan",
+    "scan_remote",
     "torch_cache_bytes",
 ]
 
@@ -127,47 +132,141 @@ def scan(root: Path, signing: Signer | None) -> list[Entry]:
     return [_entry(root, key, signing) for key in sorted(keys)]
 
 
+def scan_remote(tier: RemoteVerdicts, signing: Signer | None) -> list[Entry]:
+    """Every entry in the Redis behind ``tier`` (its verdict hashes and precompiled blobs),
+    judged as :func:`scan` judges files; :class:`~.remote.RemoteUnavailableError` when
+    Redis cannot be read."""
+
+    def text(value: bytes | str) -> str:
+        return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+    def read(r: Any) -> list[Entry]:
+        hashes = sorted(text(n) for n in r.scan_iter(match=f"{VERDICT_PREFIX}*", count=500))
+        blob_names = sorted(text(n) for n in r.scan_iter(match=f"{BLOB_PREFIX}*", count=500))
+        keys = {n.removeprefix(VERDICT_PREFIX) for n in hashes}
+        keys |= {n.removeprefix(BLOB_PREFIX).partition(":")[0] for n in blob_names}
+        entries = []
+        for key in sorted(keys):
+            fields = r.hgetall(f"{VERDICT_PREFIX}{key}") or {}
+            verdicts = [
+                _Raw(f"{VERDICT_PREFIX}{key}[{text(f)!r}]", text(f), bytes(v), len(v))
+                for f, v in sorted(fields.items())
+            ]
+            blobs = []
+            for name in (n for n in blob_names if n.startswith(f"{BLOB_PREFIX}{key}:")):
+                file, data = name.removeprefix(f"{BLOB_PREFIX}{key}:"), r.get(name)
+                size = len(data) if isinstance(data, bytes) else 0
+                blob = _Raw(name, file, data if isinstance(data, bytes) else None, size)
+                blobs.append(
+                    dataclasses.replace(blob, purpose=PRECOMPILED_PURPOSE, mac_name=f"{key}/{file}")
+                )
+            entries.append(_assemble(key, verdicts, blobs, signing, str))
+        return entries
+
+    return tier.link.run(read)
+
+
+def remove_remote(tier: RemoteVerdicts, entry: Entry) -> int:
+    """Delete ``entry``'s verdicts and blobs from Redis; the number of Redis keys deleted."""
+    return tier.delete(entry.key)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Raw:
+    """One stored item as read: where it is (for humans), the name its store gives it (a
+    file name, a hash field), its bytes (``None``: not there), and what its MAC covers."""
+
+    where: str
+    name: str
+    data: bytes | None
+    size: int
+    problem: str | None = None  # why it could not be read
+    purpose: str = VERDICT_PURPOSE
+    mac_name: str = ""
+
+
 def _entry(root: Path, key: str, signing: Signer | None) -> Entry:
+    verdicts = [
+        _read(root, path, MAX_VERDICT_BYTES) for path in _files(root / "verdicts" / key, "*.json")
+    ]
+    blobs = [
+        dataclasses.replace(
+            _read(root, path, MAX_BLOB_BYTES),
+            purpose=PRECOMPILED_PURPOSE,
+            mac_name=f"{key}/{path.name}",
+        )
+        for path in _files(root / "precompiled" / key, "*.bin")
+    ]
+    blob = root / "artifacts" / f"{key}.bin"
+    if blob.is_file():
+        artifacts = _read(root, blob, MAX_BLOB_BYTES)
+        blobs.append(dataclasses.replace(artifacts, purpose=_ARTIFACTS_PURPOSE, mac_name=key))
+    entry = _assemble(key, verdicts, blobs, signing, _file_name)
+    if entry.time is None:  # no verdict says when: the files' modification times
+        times = []
+        for f in entry.files:
+            with contextlib.suppress(OSError):
+                times.append((root / f.path).stat().st_mtime)
+        entry = dataclasses.replace(entry, time=max(times, default=None))
+    return entry
+
+
+def _file_name(scope: str) -> str:
+    """The file name :class:`~.cache.VerdictStore` gives a verdict of ``scope``."""
+    return f"{hashlib.sha256(scope.encode()).hexdigest()[:24]}.json"
+
+
+def _read(root: Path, path: Path, limit: int) -> _Raw:
+    where = str(path.relative_to(root))
+    try:
+        data = read_file(path, limit=limit, timeout=READ_TIMEOUT_S)
+        size = path.stat().st_size
+    except OSError as exc:
+        return _Raw(where, path.name, None, 0, f"unreadable: {type(exc).__name__}: {exc}")
+    return _Raw(where, path.name, data, size, None if data is not None else "missing")
+
+
+def _assemble(
+    key: str,
+    verdicts: list[_Raw],
+    blobs: list[_Raw],
+    signing: Signer | None,
+    named: Callable[[str], str],
+) -> Entry:
+    """An entry from its items as read, each judged: parsed, in its place, its MAC checked."""
     files: list[StoredFile] = []
     docs: list[dict[str, Any]] = []
     claimed: list[str] = []  # names that verdicts failing their check give, for humans
-    for path in _files(root / "verdicts" / key, "*.json"):
-        doc, problem = _verdict(path, key, signing)
-        files.append(_stored(root, path, problem))
+    for raw in verdicts:
+        doc, problem = _verdict(raw, key, signing, named)
+        files.append(StoredFile(raw.where, raw.size, problem))
         if doc is not None and problem is None:
             docs.append(doc)
         elif doc is not None and isinstance(doc.get("verdict"), dict):
             name = doc["verdict"].get("name")
             claimed += [f"{name} (unverified)"] if isinstance(name, str) else []
-    verdicts = [d["verdict"] for d in docs if isinstance(d.get("verdict"), dict)]
+    docs.sort(key=_time_of)
+    verdict_list = [d["verdict"] for d in docs if isinstance(d.get("verdict"), dict)]
     index: list[dict[str, Any]] = []  # the precompiled functions' index
     for doc in docs:
         if doc.get("scope") == PRECOMPILED_SCOPE and isinstance(doc.get("verdict"), dict):
             graphs = doc["verdict"].get("details", {}).get("graphs", [])
             index += [g for g in graphs if isinstance(g, dict)] if isinstance(graphs, list) else []
-    listed = {str(g.get("file")) for g in index}
-    for path in _files(root / "precompiled" / key, "*.bin"):
-        name = f"{key}/{path.name}"
-        files.append(_stored(root, path, _seal_problem(path, PRECOMPILED_PURPOSE, name, signing)))
-    for file in sorted(listed - {p.name for p in _files(root / "precompiled" / key, "*.bin")}):
-        path = root / "precompiled" / key / file
-        files.append(StoredFile(str(path.relative_to(root)), 0, "listed by its index but missing"))
-    blob = root / "artifacts" / f"{key}.bin"
-    if blob.is_file():
-        files.append(_stored(root, blob, _seal_problem(blob, _ARTIFACTS_PURPOSE, key, signing)))
+    for raw in blobs:
+        problem = raw.problem or _seal_problem(raw, signing)
+        files.append(StoredFile(raw.where, raw.size, problem))
+    present = {raw.name for raw in blobs if raw.purpose == PRECOMPILED_PURPOSE}
+    for file in sorted({str(g.get("file")) for g in index} - present):
+        files.append(StoredFile(f"precompiled/{key}/{file}", 0, "listed by its index but missing"))
     made: dict[str, str] = {}
     for doc in docs:  # the newest verdict's record wins
         record = doc.get("made")
         if isinstance(record, dict):
             made = {str(k): str(v) for k, v in record.items()}
-    times = [float(v["time"]) for v in verdicts if isinstance(v.get("time"), int | float)]
-    if not times:  # no verdict to say when: the files' modification times
-        for f in files:
-            with contextlib.suppress(OSError):
-                times.append((root / f.path).stat().st_mtime)
-    names = [v["name"] for v in verdicts if isinstance(v.get("name"), str)]
-    kinds = sorted({str(v.get("kind")) for v in verdicts})
-    buckets = sum(v.get("kind") in (BUCKET_VERIFIED, BUCKET_REJECTED) for v in verdicts)
+    times = [t for t in map(_time_of, docs) if t > 0]
+    names = [v["name"] for v in verdict_list if isinstance(v.get("name"), str)]
+    kinds = sorted({str(v.get("kind")) for v in verdict_list})
+    buckets = sum(v.get("kind") in (BUCKET_VERIFIED, BUCKET_REJECTED) for v in verdict_list)
     return Entry(
         key=key,
         function=next(iter(names + claimed), None),
@@ -182,6 +281,12 @@ def _entry(root: Path, key: str, signing: Signer | None) -> Entry:
     )
 
 
+def _time_of(doc: dict[str, Any]) -> float:
+    verdict = doc.get("verdict")
+    value = verdict.get("time") if isinstance(verdict, dict) else None
+    return float(value) if isinstance(value, int | float) else 0.0
+
+
 def _files(folder: Path, pattern: str) -> list[Path]:
     try:
         return sorted(p for p in folder.glob(pattern) if p.is_file())
@@ -189,34 +294,24 @@ def _files(folder: Path, pattern: str) -> list[Path]:
         return []
 
 
-def _stored(root: Path, path: Path, problem: str | None) -> StoredFile:
-    try:
-        size = path.stat().st_size
-    except OSError:
-        size = 0
-    return StoredFile(str(path.relative_to(root)), size, problem)
-
-
 def _verdict(
-    path: Path, key: str, signing: Signer | None
+    raw: _Raw, key: str, signing: Signer | None, named: Callable[[str], str]
 ) -> tuple[dict[str, Any] | None, str | None]:
-    """A verdict file's document (if it parses) and why it is not trusted (``None``: it is)."""
+    """A verdict's document (if it parses) and why it is not trusted (``None``: it is)."""
     try:
-        raw = read_file(path, limit=MAX_VERDICT_BYTES, timeout=READ_TIMEOUT_S)
-        if raw is None or len(raw) > MAX_VERDICT_BYTES:
+        if raw.problem is not None:
+            raise ValueError(raw.problem)
+        if raw.data is None or len(raw.data) > MAX_VERDICT_BYTES:
             raise ValueError("missing, or too large to be a verdict")
         try:
-            doc = json.loads(raw.decode("utf-8"))
+            doc = json.loads(raw.data.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
             raise ValueError(f"corrupt: {type(exc).__name__}") from None
         if not isinstance(doc, dict) or not isinstance(doc.get("scope"), str):
             raise ValueError("foreign: not a safecompile verdict")
         scope = doc["scope"]
-        expected = f"{hashlib.sha256(scope.encode()).hexdigest()[:24]}.json"
-        if doc.get("key") != key or path.name != expected:
+        if doc.get("key") != key or raw.name != named(scope):
             raise ValueError("misplaced: its key or scope is not where it is stored")
-    except OSError as exc:
-        return None, f"unreadable: {type(exc).__name__}: {exc}"
     except ValueError as exc:
         return None, str(exc)
     try:
@@ -227,18 +322,14 @@ def _verdict(
     return doc, None
 
 
-def _seal_problem(path: Path, purpose: str, name: str, signing: Signer | None) -> str | None:
-    """Why the sealed blob at ``path`` does not verify; its bytes are never unpickled."""
+def _seal_problem(raw: _Raw, signing: Signer | None) -> str | None:
+    """Why the sealed blob ``raw`` does not verify; its bytes are never unpickled."""
     if signing is None:
         return None
-    try:
-        sealed = read_file(path, limit=MAX_BLOB_BYTES, timeout=READ_TIMEOUT_S)
-    except OSError as exc:
-        return f"unreadable: {type(exc).__name__}: {exc}"
-    if sealed is None:
+    if raw.data is None:
         return "missing"
     try:
-        signing.unseal(purpose, name, sealed)
+        signing.unseal(raw.purpose, raw.mac_name, raw.data)
     except ValueError as exc:
         return str(exc)
     return None
