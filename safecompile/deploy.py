@@ -450,8 +450,10 @@ def _cache(args: argparse.Namespace) -> int:
         _check_prune(args)
     now = time.time()
     entries = store.scan(signing)
+    # prune asks whether an entry is current only for --stale
+    checked = not args.no_import and (args.action != "prune" or args.stale)
     with _importing():
-        rows = [_row(e, now, checked=not args.no_import) for e in entries]
+        rows = [_row(e, now, checked=checked) for e in entries]
     if args.action == "prune":
         return _prune(args, store, entries, rows)
     doc = {
