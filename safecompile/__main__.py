@@ -17,7 +17,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from . import doctor, runner
+from . import deploy, doctor, runner
 from .doctor import html as _html
 from .doctor.report import DEFAULT_LIMIT
 from .doctor.text import LINE_LIMIT
@@ -134,6 +134,7 @@ def _parser() -> argparse.ArgumentParser:
         help="fail when compiled takes more than X times eager's time "
         f"(default {_DEFAULT.slower_ratio:.2f})",
     )
+    deploy.add_commands(commands)  # prebuild, cache
     return parser
 
 
@@ -147,6 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, or a bad flag (argparse printed why)
         return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    if args.command in deploy.COMMANDS:
+        return deploy.run(args)
     if args.command != "doctor":
         parser.print_help(sys.stderr)
         return EXIT_USAGE

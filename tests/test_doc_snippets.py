@@ -66,3 +66,80 @@ def test_snippets_run_as_written(page: str, tmp_path: Path) -> None:
     )
 
     assert done.returncode == 0, f"{page}:\n{done.stderr[-3000:]}"
+
+
+# ---------------------------------------------------------------- docs/deploying.md
+
+DEPLOYING = "docs/deploying.md"
+
+
+def deploying_steps(markdown: str) -> tuple[dict[str, str], list[tuple[str, str | None]]]:
+    """The page's files (```` ```python ```` blocks whose first line is ``# NAME.py``) and
+    its ```` ```bash ```` blocks, each with the output block printed right after it."""
+    files: dict[str, str] = {}
+    for body in python_blocks(markdown):
+        first, _, rest = body.partition("\n")
+        name = re.fullmatch(r"# (\w+\.py)", first)
+        if name is not None:
+            files[name[1]] = rest
+    steps = [
+        (found[1], found[2])
+        for found in re.finditer(
+            r"^```bash\n(.*?)^```\n(?:\s*^```\n(.*?)^```$)?", markdown, re.DOTALL | re.MULTILINE
+        )
+    ]
+    return files, steps
+
+
+def normalised(line: str, cwd: Path) -> str:
+    """A line of output without what differs between runs: keys, sizes, ages, versions,
+    the folder it ran in; runs of spaces as one."""
+    line = line.replace(str(cwd), "/src")
+    for pattern, text in (
+        (r"\b[0-9a-f]{12}\b", "KEY"),
+        (r"\b\d+(\.\d+)? (B|KB|MB|GB)\b", "SIZE"),
+        (r"\b\d+[smhd]\b", "AGE"),
+        (r"\b\d+\.\d+\.\d+\S*", "VERSION"),
+    ):
+        line = re.sub(pattern, text, line)
+    return " ".join(line.split())
+
+
+def test_deploying_commands_run_as_written(tmp_path: Path) -> None:
+    """The Deploying page's shell commands run in order as one shell session, in a folder
+    holding its ``models.py``, each exits 0, and prints the lines shown after it (keys,
+    sizes, ages and versions aside). Only the backend changes, as above."""
+    files, steps = deploying_steps((ROOT / DEPLOYING).read_text())
+    assert set(files) == {"models.py"}
+    assert len(steps) >= 4, "the page's bash blocks were not found"
+    for name, text in files.items():
+        (tmp_path / name).write_text(text.replace('backend="inductor"', 'backend="aot_eager"'))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for command, argv in (("safecompile", "-m safecompile"), ("python", "")):
+        shim = bin_dir / command
+        shim.write_text(f'#!/bin/sh\nexec {sys.executable} {argv} "$@"\n')
+        shim.chmod(0o755)
+    script = ["set -e"]
+    for i, (commands, _) in enumerate(steps):
+        script += [f"echo '@@step {i}'", commands]
+    (tmp_path / "page.sh").write_text("\n".join(script) + "\n")
+
+    done = subprocess.run(
+        ["/bin/bash", "page.sh"],
+        cwd=tmp_path,
+        env={"PATH": f"{bin_dir}:/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=TIMEOUT_S * 2,
+        check=False,
+    )
+
+    assert done.returncode == 0, f"{DEPLOYING}:\n{done.stdout[-3000:]}"
+    printed = re.split(r"^@@step \d+\n", done.stdout, flags=re.MULTILINE)[1:]
+    assert len(printed) == len(steps)
+    for (commands, shown), out in zip(steps, printed, strict=True):
+        lines = {normalised(line, tmp_path) for line in out.splitlines()}
+        for line in (shown or "").splitlines():
+            assert normalised(line, Path("/src")) in lines, f"{commands}\nprinted:\n{out}"

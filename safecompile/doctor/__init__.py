@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from ._judge import is_debug_backend, judge
 from ._measure import diagnose
-from ._target import load_target, parse_inputs, to_target
+from ._target import call_factory, load_target, parse_inputs, to_target
 from .html import render_html
 from .report import (
     SCHEMA,
@@ -39,6 +39,7 @@ __all__ = [
     "Thresholds",
     "Timing",
     "UsageError",
+    "call_factory",
     "diagnose",
     "is_debug_backend",
     "judge",

@@ -22,7 +22,15 @@ from safecompile.observe.source import innermost_user_frame, is_user_file
 
 from .report import DoctorTarget, Example, UsageError, where
 
-__all__ = ["error_at", "load_target", "parse_inputs", "parse_sweep", "to_target", "user_traceback"]
+__all__ = [
+    "call_factory",
+    "error_at",
+    "load_target",
+    "parse_inputs",
+    "parse_sweep",
+    "to_target",
+    "user_traceback",
+]
 
 _INPUTS = (
     "a list of calls (each a tuple of arguments, a dict of keyword arguments or a tensor) "
@@ -104,6 +112,13 @@ def load_target(spec: str) -> DoctorTarget:
     ``python -m``) or a path to a ``.py`` file; ``FACTORY`` may be dotted
     (``Class.method``). Every failure is a :class:`UsageError`.
     """
+    value, attr = call_factory(spec)
+    return to_target(value, attr)
+
+
+def call_factory(spec: str) -> tuple[Any, str]:
+    """``FACTORY()``'s return value and the factory's name, for ``spec = "MODULE:FACTORY"``
+    (as :func:`load_target`, without checking what it returned)."""
     module_part, sep, attr = spec.rpartition(":")
     if not sep or not module_part or not attr or os.sep in attr:
         raise UsageError(
@@ -123,10 +138,9 @@ def load_target(spec: str) -> DoctorTarget:
     if not callable(factory):
         raise UsageError(f"{spec} is {_kind(factory)}, not a callable factory")
     try:
-        value = factory()
+        return factory(), attr
     except (Exception, SystemExit) as exc:
         raise _user_error(f"{attr}() raised ", exc) from exc
-    return to_target(value, attr)
 
 
 def _import(name: str) -> types.ModuleType:

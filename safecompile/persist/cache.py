@@ -47,6 +47,8 @@ __all__ = [
     "cache_root",
     "code_fingerprint",
     "environment",
+    "keys_made",
+    "provenance",
     "signed_store",
     "usable_root",
     "use_torch_caches",
@@ -224,6 +226,7 @@ class CallKey:
                 self.value = artifact_key(
                     self._target, device=device, code=self._code, **self._options
                 )
+                _origins.setdefault(self.value, _origin(self._target))
             except Exception as exc:  # never fail a call over a key
                 warn_ignored("key", exc)
         return self.value
@@ -234,6 +237,39 @@ def _identity(fn: object) -> str:
     module = getattr(fn, "__module__", None) or type(fn).__module__
     name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     return f"{module}.{name}"
+
+
+# Keys CallKey made in this process -> where their code came from (see provenance()).
+_origins: dict[str, dict[str, str]] = {}
+
+
+def keys_made() -> dict[str, dict[str, str]]:
+    """The artifact keys this process made, each with its code's origin (may be ``{}``)."""
+    return dict(_origins)
+
+
+def provenance(key: str) -> dict[str, str]:
+    """What an entry stored under ``key`` records of where it was made, signed with it (for
+    ``safecompile cache``): the torch and Python versions, and when this process made the
+    key, the function's module, qualname and :func:`code_fingerprint`."""
+    made = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "safecompile": __version__,
+        "platform": f"{platform.system()}-{platform.machine()}",
+    }
+    return made | _origins.get(key, {})
+
+
+def _origin(target: Callable[..., Any]) -> dict[str, str]:
+    """An importable module-level function's module, qualname and code fingerprint; ``{}``
+    for anything that cannot be found again by name (a method, a module, a closure)."""
+    if not isinstance(target, types.FunctionType) or "<locals>" in target.__qualname__:
+        return {}
+    module, qualname = target.__module__, target.__qualname__
+    if not module or module == "__main__":
+        return {}
+    return {"module": module, "qualname": qualname, "code": code_fingerprint(target)}
 
 
 def code_fingerprint(fn: Callable[..., Any]) -> str:
@@ -515,8 +551,9 @@ class VerdictStore:
         if self.signer is None:
             return False
         head = {"schema": SCHEMA, "version": SCHEMA_VERSION, "key": key, "scope": scope}
+        made = {"made": provenance(key)}  # for `safecompile cache`; get() reads "verdict"
         # a JSON round trip first, so the MAC covers exactly what a reader will parse
-        doc = json.loads(json.dumps({**head, "verdict": verdict.to_dict()}, default=str))
+        doc = json.loads(json.dumps({**head, **made, "verdict": verdict.to_dict()}, default=str))
         doc = self.signer.sign_doc(_PURPOSE, _doc_name(key, scope), doc)
         data = json.dumps(doc, sort_keys=True, indent=1).encode()
         written = _write_atomic(self.path(key, scope), data)
