@@ -56,6 +56,7 @@ class EventKind(_Named):
     DISABLED = "disabled"  # the kill switch turned the callable off
     ENABLED = "enabled"  # the kill switch turned it back on
     SWITCH_WARNING = "switch_warning"  # the kill switch's value looks like a mistake
+    NAME_SHARED = "name_shared"  # another live guarded callable has the same name
     RESET = "reset"
     WARMUP_FAILED = "warmup_failed"  # a warmup example raised in eager too
     SPEED_VERDICT = "speed_verdict"  # a round of the speed verdict: compiled stays or eager won

@@ -13,6 +13,7 @@ import collections
 import math
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -188,7 +189,14 @@ class Engine:
             announce=self._announce_compile,
         )
         self.backend = GuardBackend(compiler, graph_hooks, opts.backend_label)
-        ks.register(name)
+        if ks.register(name, self):
+            self._warn(
+                EventKind.NAME_SHARED,
+                f"two guarded callables are named {name!r}: the kill switch, telemetry and "
+                "persisted verdicts cannot tell them apart; give each its own "
+                "safe_compile(name=...)",
+                here=True,
+            )
         ks.watch(self.gate)
         self.refresh_switch()
         sink.observe_calls(self._call_counts, self.table.checks)
@@ -307,7 +315,13 @@ class Engine:
     def _warn_switch_doubts(self, value: str | bytes | None, *, unmatched: bool = False) -> None:
         """One warning event per doubtful part of a ``SAFECOMPILE_DISABLE`` value."""
         for doubt in ks.unwarned_doubts(value, unmatched=unmatched):
-            self.say(EventKind.SWITCH_WARNING, doubt)
+            self._warn(EventKind.SWITCH_WARNING, doubt)
+
+    def _warn(self, kind: EventKind, message: str, *, here: bool = False) -> None:
+        """A mistake of the user's: an event, and a Python warning (seen where no logging is
+        set up); each is said once per process by its caller."""
+        self.say(kind, message, here=here)
+        warnings.warn(message, UserWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ events and trips
 

@@ -53,6 +53,7 @@ _WARNING_KINDS = frozenset(
         EventKind.RECOMPILE_LIMIT,
         EventKind.SHADOW_SKIPPED,
         EventKind.SWITCH_WARNING,
+        EventKind.NAME_SHARED,
     }
 )
 _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 300.0)
