@@ -34,6 +34,7 @@ __all__ = [
     "DYNAMIC_MARKS",
     "FAKE_TENSOR_LOGGER",
     "NEW_GLOBAL",
+    "RECOMPILE_LIMIT_LOG",
     "REMOTE_CACHE_FLAGS",
     "Missing",
     "SideEffects",
@@ -445,6 +446,10 @@ REMOTE_CACHE_FLAGS: tuple[tuple[str, str, str], ...] = (
 #: The logger of torch's fake tensors ("failed while attempting to run meta").
 #: checked: 2.9.1, 2.13.0
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
+
+#: The logger, and the start of the message, of dynamo's warning that a code object hit
+#: its recompile limit (``convert_frame._compile``). checked: 2.13.0
+RECOMPILE_LIMIT_LOG = ("torch._dynamo.convert_frame", "torch._dynamo hit config.")
 
 
 def config_entry(module_name: str, attr: str) -> Any:

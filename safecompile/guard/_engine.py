@@ -46,6 +46,7 @@ from safecompile.shapes.table import BucketTable
 
 from ._compiles import CompileTracker, KnownFailures
 from ._precompile import Precompiled
+from ._serving import Serving
 from ._slots import Slots
 from ._trips import TripHooks, Trips
 from .backend import compile_function, own_frame
@@ -148,6 +149,7 @@ class Engine:
         self.gate = Gate(self._first_use)
         self._compile_lock = threading.Lock()
         self.slots: Slots[GraphRecord] = Slots()
+        self.serving = Serving(self.slots, self.clock)  # who served: eager calls by why
         self.table = GraphTable(opts.shadow)
         hooks = TripHooks(
             self.record, self._counted, self.restart_speed, self._recovered, self.location
@@ -263,6 +265,8 @@ class Engine:
             )
             self.gate.eager_until = until = self.trips.eager_until()
             self.gate.eager = self.gate.disabled or until == math.inf
+            tripped = "rolled_back" if self.trips.tripped else None
+            self.serving.gate_mode("disabled" if self.gate.disabled else tripped)
 
     @property
     def warming_up(self) -> bool:
