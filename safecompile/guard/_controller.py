@@ -35,6 +35,11 @@ class Controller:
         self.name = engine.name
         """The stable name: what the kill switch, telemetry and persisted verdicts use."""
         self._engine = engine
+        engine.sink.observe_state(self._observed)
+
+    def _observed(self) -> tuple[str, bool]:
+        """What the ``safecompile.state`` and ``safecompile.disabled`` gauges read."""
+        return self.state.value, self._engine.gate.disabled
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         """A copy of a guarded module is unguarded (see ``_ModuleForward``)."""
@@ -188,8 +193,7 @@ class Controller:
                     torch_missing(dropped)
             e.trips.reset()
             e.compiles.reset()
-            e.slots.clear()
-            e.serving.forget()
+            e.serving.restart()  # the slots' counts from zero; the metrics' go on
             e.shadow.reset()
             e.failures.forget()
             e.persisted.forget()

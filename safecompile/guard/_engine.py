@@ -201,7 +201,7 @@ class Engine:
             )
         ks.watch(self.gate)
         self.refresh_switch()
-        sink.observe_calls(self._call_counts, self.table.checks)
+        sink.observe_calls(self.serving.lifetime, self._serving_graphs)
 
     def start_afresh(self) -> None:
         """A new speed verdict and tally (at the start, and on ``reset()``)."""
@@ -570,6 +570,14 @@ class Engine:
                 ),
             )
 
-    def _call_counts(self) -> tuple[int, int]:
-        compiled, eager, _ = self.slots.totals()
-        return compiled, eager
+    def _serving_graphs(self) -> dict[str, int]:
+        """The compiled graphs that serve live calls, by where their checks stand (``off``:
+        shadow checks off); none while disabled, rolled back or warming up."""
+        counts = dict.fromkeys(("checked", "unchecked", "not_yet", "off"), 0)
+        with self.lock:
+            if self.gate.disabled or self.trips.tripped or self.warming_up:
+                return counts
+            for graph in self.table:
+                if graph.compiled:
+                    counts[graph.check()] += 1
+        return counts

@@ -63,10 +63,24 @@ class Serving:
         self._clock = clock
         self._lock = threading.Lock()
         self._mode: str | None = None  # the gate's eager mode (see gate_mode)
-        self.forget()
+        self._before = (0, 0)  # compiled and eager calls before the last reset()
+        self._forget()
 
-    def forget(self) -> None:
-        """Start from zero (the slots were just cleared: ``reset()``)."""
+    def restart(self) -> None:
+        """``reset()``: the counts start from zero, but what they counted stays in
+        :meth:`lifetime` (a metric counter never goes down)."""
+        compiled, eager, _ = self._slots.counts()
+        with self._lock:
+            self._before = (self._before[0] + compiled, self._before[1] + eager)
+        self._slots.clear()
+        self._forget()
+
+    def lifetime(self) -> tuple[int, int]:
+        """Compiled and eager calls since the callable was made, resets included."""
+        compiled, eager, _ = self._slots.counts()
+        return self._before[0] + compiled, self._before[1] + eager
+
+    def _forget(self) -> None:
         with self._lock:
             self._base = 0  # the hot path's eager calls at the last change of mode
             self._folded: Counter[str] = Counter()
