@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -131,3 +132,16 @@ def test_a_doctor_run_records_its_date(tmp_path: Path) -> None:
     assert created.strftime("%Y-%m-%d %H:%M:%S UTC") in page.read_text()
     # eager asks no cache: its first calls are not called cold
     assert "cold" not in json.dumps(json.loads(data.read_text())["checks"])
+
+
+def test_a_target_guarded_already_is_not_warned_about_as_a_shared_name(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The doctor's own guard takes the target's name on purpose: no warning says that
+    two guards share it."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        code = main(["doctor", f"{TARGETS}:guarded_function", "--backend", "eager", "--quick"])
+    assert code == 0
+    assert not [w for w in seen if "two guarded callables" in str(w.message)]
+    assert "two guarded callables" not in capsys.readouterr().err

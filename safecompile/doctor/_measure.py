@@ -18,6 +18,7 @@ import platform
 import statistics
 import time
 import types
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -106,16 +107,18 @@ def diagnose(
         backend_name(plan.backend),
     )
     try:
-        guarded: Any = safe_compile(
-            plan.call,
-            backend=recorder,
-            dynamic=plan.dynamic,
-            fullgraph=plan.fullgraph,
-            buckets=plan.target.buckets,
-            shadow=None,
-            rollback=Rollback(max_recompiles=plan.thresholds.max_recompiles, slower_ratio=None),
-            name=plan.name,
-        )
+        with warnings.catch_warnings():  # a target guarded already shares our guard's name
+            warnings.filterwarnings("ignore", message="two guarded callables are named")
+            guarded: Any = safe_compile(
+                plan.call,
+                backend=recorder,
+                dynamic=plan.dynamic,
+                fullgraph=plan.fullgraph,
+                buckets=plan.target.buckets,
+                shadow=None,
+                rollback=Rollback(max_recompiles=plan.thresholds.max_recompiles, slower_ratio=None),
+                name=plan.name,
+            )
     except (ConfigError, TypeError) as exc:
         raise UsageError(str(exc)) from exc
     session = _Session(guarded, plan, recorder, say)
