@@ -308,8 +308,8 @@ def test_a_pattern_matching_no_guarded_name_is_warned_once_guards_are_built(
     embed(x)
     warnings = [e for e in ranker.safecompile.events() if e.kind is EventKind.SWITCH_WARNING]
     assert [str(w.message) for w in warnings] == [
-        "SAFECOMPILE_DISABLE='rankr.*,embed.*': 'rankr.*' matches none of the 2 guarded"
-        " names in this process ('embed.forward', 'ranker.score'); it disables nothing here"
+        "SAFECOMPILE_DISABLE='rankr.*,embed.*': 'rankr.*' disables nothing here: it matches"
+        " none of the 2 guarded names in this process ('embed.forward', 'ranker.score')"
     ]
     assert embed.safecompile.state == State.DISABLED
     assert not [e for e in embed.safecompile.events() if e.kind is EventKind.SWITCH_WARNING]

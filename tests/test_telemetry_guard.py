@@ -439,9 +439,9 @@ def test_graphs_gauge_counts_graphs_by_check(
             k: p.value for k, p in by_attribute(points, "safecompile.check", "tests.graphs").items()
         }
 
-    assert graphs() == {"checked": 0, "unchecked": 1, "not_yet": 1}
+    assert graphs() == {"checked": 0, "unchecked": 1, "not_yet": 1, "off": 0}
     g(x)
-    assert graphs() == {"checked": 1, "unchecked": 1, "not_yet": 0}
+    assert graphs() == {"checked": 1, "unchecked": 1, "not_yet": 0, "off": 0}
     assert g.safecompile.state.value == "unchecked"
 
 

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError"]
+import difflib
+from collections.abc import Iterable, Sequence
+
+__all__ = ["ConfigError", "unknown_options"]
 
 
 class ConfigError(ValueError):
@@ -13,3 +16,15 @@ class ConfigError(ValueError):
     """
 
     __module__ = "safecompile"  # shown as safecompile.ConfigError, where users import it
+
+
+def unknown_options(owner: str, given: Iterable[str], known: Sequence[str]) -> ConfigError:
+    """The error for options ``owner`` (``"safe_compile()"``, ``"Shadow()"``) does not
+    take: each one named, with a did-you-mean for a misspelled one, and the allowed ones."""
+    named = []
+    for option in sorted(given):
+        close = difflib.get_close_matches(option, known, n=1)
+        named.append(f"{option} (did you mean {close[0]}?)" if close else option)
+    return ConfigError(
+        f"{owner} got unknown option(s) {', '.join(named)}; allowed: {', '.join(sorted(known))}"
+    )

@@ -101,33 +101,35 @@ def doubts(
     found: list[tuple[str, str]] = []
     for pattern in parse(text).patterns:  # none for the off and all words
         if not any(fnmatch.fnmatchcase(n, pattern) for n in known):
-            sentence = _doubt(pattern, known, unmatched=unmatched)
-            if sentence is not None:
-                found.append((pattern, f"{ENV_VAR}={text!r}: {sentence}"))
+            doubt = _doubt(pattern, known, unmatched=unmatched)
+            if doubt is not None:  # the consequence first, then why
+                verdict, why = doubt
+                head = f"{ENV_VAR}={text!r}" + ("" if pattern == text else f": {pattern!r}")
+                found.append((pattern, f"{head} {verdict}: {why}"))
     return found
 
 
-def _doubt(pattern: str, known: tuple[str, ...], *, unmatched: bool) -> str | None:
-    """What looks wrong with one pattern that matches no guarded name, if anything."""
+def _doubt(pattern: str, known: tuple[str, ...], *, unmatched: bool) -> tuple[str, str] | None:
+    """What a pattern matching no guarded name does and why it looks wrong, if it does."""
     if _SEPARATORS.search(pattern):
         fixed = ",".join(p for p in _SEPARATORS.split(pattern) if p)
-        return f"{pattern!r} was read as one name; separate names with commas ({fixed!r})"
+        return "disables nothing", (
+            f"it was read as one name; separate names with commas ({fixed!r})"
+        )
     if "." not in pattern and not _GLOB & set(pattern):
-        return (
-            f"{pattern!r} was read as a name, but it is neither a boolean (1/true/yes/on/all/*"
-            " turn everything off, 0/false/no/off nothing) nor a guarded name; it disables nothing"
+        return "disables nothing", (
+            "it is neither a boolean (1/true/yes/on/all/* turn everything off, 0/false/no/off"
+            " nothing) nor a guarded name"
         )
     folded = [n for n in known if fnmatch.fnmatchcase(n.lower(), pattern.lower())]
     if folded:
-        return (
-            f"{pattern!r} matches no guarded name (names are case-sensitive; it would match"
-            f" {folded[0]!r}); it disables nothing"
+        return "disables nothing", (
+            f"it matches no guarded name (names are case-sensitive; it would match {folded[0]!r})"
         )
     if unmatched:
         some = ", ".join(repr(n) for n in known[:3]) + (", ..." if len(known) > 3 else "")
-        return (
-            f"{pattern!r} matches none of the {len(known)} guarded names in this process"
-            f" ({some}); it disables nothing here"
+        return "disables nothing here", (
+            f"it matches none of the {len(known)} guarded names in this process ({some})"
         )
     return None
 
@@ -143,6 +145,7 @@ class _CodeSwitch:
         self.watched_label = ""
         self.generation = 0
         self.names: set[str] = set()
+        self.owners: dict[str, weakref.WeakSet[Any]] = {}  # the live guards of each name
         self.warned: set[str] = set()
         self.gates: weakref.WeakSet[Any] = weakref.WeakSet()  # see watch()
         self.stale = object()  # the token of a gate that must re-read (no environment value)
@@ -210,10 +213,18 @@ def set_watched(rule: Rule, label: str | None = None) -> bool:
         return True
 
 
-def register(name: str) -> None:
-    """Note a guarded name (what :func:`doubts` checks patterns against)."""
+def register(name: str, owner: object) -> bool:
+    """Note a guarded name (what :func:`doubts` checks patterns against), held by
+    ``owner`` (weakly); ``True`` the first time in this process that a live guard
+    already holds it (two guards sharing a name: the switch cannot tell them apart)."""
     with SWITCH.lock:
         SWITCH.names.add(name)
+        owners = SWITCH.owners.setdefault(name, weakref.WeakSet())
+        shared = len(owners) > 0 and f"\0shared\0{name}" not in SWITCH.warned
+        owners.add(owner)
+        if shared:
+            SWITCH.warned.add(f"\0shared\0{name}")
+    return shared
 
 
 def unwarned_doubts(value: str | bytes | None, *, unmatched: bool = False) -> list[str]:

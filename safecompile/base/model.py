@@ -6,7 +6,7 @@ import enum
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-__all__ = ["Event", "EventKind", "Reason", "State", "Stats"]
+__all__ = ["EAGER_REASONS", "Event", "EventKind", "Reason", "State", "Stats"]
 
 
 class _Named(str, enum.Enum):
@@ -21,6 +21,8 @@ class State(_Named):
 
     PENDING = "pending"  # nothing compiled yet
     WARMING = "warming"  # compiling; eager serves
+    NOTHING_TO_COMPILE = "nothing_to_compile"  # dynamo made no graph of it: eager serves
+    MOSTLY_EAGER = "mostly_eager"  # graphs serve, but most recent calls ran eager
     CANARY = "canary"  # compiled, every call shadow-checked
     COMPILED = "compiled"  # every serving graph passed its canary
     UNCHECKED = "unchecked"  # compiled, but a serving graph cannot be shadow-checked
@@ -56,6 +58,7 @@ class EventKind(_Named):
     DISABLED = "disabled"  # the kill switch turned the callable off
     ENABLED = "enabled"  # the kill switch turned it back on
     SWITCH_WARNING = "switch_warning"  # the kill switch's value looks like a mistake
+    NAME_SHARED = "name_shared"  # another live guarded callable has the same name
     RESET = "reset"
     WARMUP_FAILED = "warmup_failed"  # a warmup example raised in eager too
     SPEED_VERDICT = "speed_verdict"  # a round of the speed verdict: compiled stays or eager won
@@ -91,6 +94,23 @@ class Event:
         return out
 
 
+#: Why an eager call ran eager: the keys of ``Stats.eager_by_reason``, each eager call
+#: counted under exactly one (docs/concepts.md, "Who serves").
+EAGER_REASONS = (
+    "disabled",  # the kill switch
+    "rolled_back",  # after a trip, until it recovers
+    "warming",  # a warmup or a compile in flight elsewhere
+    "rollout",  # the staged rollout routed it eager
+    "recompile_limit",  # its graph is past max_recompiles (or torch's own limit)
+    "no_graph",  # dynamo made no graph of it: nothing to compile
+    "bucket",  # its bucket runs eager: oversize, rejected, or not cut back
+    "speed",  # the speed verdict's eager arm
+    "check",  # a shadow check answered with eager's result
+    "error",  # the compiled path raised; eager answered (or raised the user's error)
+    "other",  # none of those: calls caught in flight as the gate opened
+)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Stats:
     """A snapshot of a guarded callable's counters. ``calls == compiled_calls + eager_calls``."""
@@ -116,6 +136,12 @@ class Stats:
     max_rel_diff: float = 0.0
     rollbacks: int = 0
     last_rollback: Event | None = None
+    # eager_calls by why, every key of EAGER_REASONS present; they sum to eager_calls
+    eager_by_reason: dict[str, int] = field(default_factory=dict)
+    # the calls of the last minute or so (since the previous look, when that was longer
+    # ago), and the share of them served compiled (None: no calls)
+    recent_calls: int = 0
+    recent_compiled_share: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:

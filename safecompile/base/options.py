@@ -8,7 +8,6 @@ and the key of persisted verdicts (:meth:`Options.verdict_key`).
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -17,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError
+from .errors import ConfigError, unknown_options
 from .policies import Buckets, Rollback, Shadow, Warmup
 
 __all__ = ["Clock", "CompilerFn", "Options", "backend_name"]
@@ -97,17 +96,8 @@ class Options:
     def refuse_unknown(cls, given: Mapping[str, object]) -> None:
         """Raise :class:`ConfigError` for options ``safe_compile`` does not take, with a
         did-you-mean for a misspelled one."""
-        if not given:
-            return
-        known = cls.names()
-        named = []
-        for option in sorted(given):
-            close = difflib.get_close_matches(option, known, n=1)
-            named.append(f"{option} (did you mean {close[0]}?)" if close else option)
-        raise ConfigError(
-            f"safe_compile() got unknown option(s) {', '.join(named)}; "
-            f"allowed: {', '.join(sorted(known))}"
-        )
+        if given:
+            raise unknown_options("safe_compile()", given, cls.names())
 
     @property
     def backend_label(self) -> str:

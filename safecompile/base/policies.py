@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ._frozen import FrozenMap
-from .errors import ConfigError
+from .errors import ConfigError, unknown_options
 
 __all__ = ["FOREVER", "Axis", "Buckets", "Rollback", "Shadow", "Warmup", "pow2", "steps"]
 
@@ -538,3 +539,24 @@ class Rollback:
         if not failing or previous is None:
             return self.retry_after
         return min(max(previous * 2, self.retry_after), self.max_retry_after)
+
+
+def _refuse_unknown(cls: type) -> None:
+    """Have ``cls(...)`` answer an option it does not take with a :class:`ConfigError`
+    naming it (with a did-you-mean), as ``safe_compile()`` does, not a bare ``TypeError``.
+    Whatever fields the policy has: the check reads them from the dataclass."""
+    init: Callable[..., None] = cls.__dict__["__init__"]  # the dataclass-made one
+    known = tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+    @functools.wraps(init)
+    def __init__(self: object, *args: Any, **kwargs: Any) -> None:
+        unknown = [name for name in kwargs if name not in known]
+        if unknown:
+            raise unknown_options(f"{cls.__name__}()", unknown, known)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__  # type: ignore[misc]
+
+
+for _policy in (Buckets, Warmup, Shadow, Rollback):
+    _refuse_unknown(_policy)

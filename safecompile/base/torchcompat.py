@@ -20,7 +20,7 @@ import inspect
 import os
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -34,11 +34,13 @@ __all__ = [
     "DYNAMIC_MARKS",
     "FAKE_TENSOR_LOGGER",
     "NEW_GLOBAL",
+    "RECOMPILE_LIMIT_LOG",
     "REMOTE_CACHE_FLAGS",
     "Missing",
     "SideEffects",
     "close_symbolic_trace_window",
     "closure_vars",
+    "compile_cache_counts",
     "compile_callbacks",
     "compile_errors",
     "compile_lock",
@@ -472,6 +474,10 @@ REMOTE_CACHE_FLAGS: tuple[tuple[str, str, str], ...] = (
 #: checked: 2.9.1, 2.13.0
 FAKE_TENSOR_LOGGER = "torch._subclasses.fake_tensor"
 
+#: The logger, and the start of the message, of dynamo's warning that a code object hit
+#: its recompile limit (``convert_frame._compile``). checked: 2.13.0
+RECOMPILE_LIMIT_LOG = ("torch._dynamo.convert_frame", "torch._dynamo hit config.")
+
 
 def config_entry(module_name: str, attr: str) -> Any:
     """The ``_ConfigEntry`` of ``attr`` in an already-imported torch config module, or
@@ -547,3 +553,23 @@ def route_vec_isa_checks(answer: IsaAnswer) -> Missing | None:
     check_build._safecompile_routed = True  # type: ignore[attr-defined]
     isa.check_build = check_build
     return None
+
+
+def compile_cache_counts() -> dict[str, int]:
+    """inductor's FX graph cache and AOTAutograd's cache, counted so far in this process:
+    ``fx_hit``, ``fx_miss`` (a miss or a bypass: inductor compiled afresh), ``aot_hit``;
+    ``{}`` where torch keeps no such counters. Read before and after a call, they tell a
+    cold compile from one the caches served. checked: 2.13.0
+    (``torch._dynamo.utils.counters``, set in ``_inductor/codecache.py`` and
+    ``_functorch/_aot_autograd/autograd_cache.py``)"""
+    counters = lookup("torch._dynamo.utils.counters")
+    if not isinstance(counters, Mapping):
+        return {}
+    inductor = counters.get("inductor") or {}
+    aot = counters.get("aot_autograd") or {}
+    return {
+        "fx_hit": int(inductor.get("fxgraph_cache_hit", 0)),
+        "fx_miss": int(inductor.get("fxgraph_cache_miss", 0))
+        + int(inductor.get("fxgraph_cache_bypass", 0)),
+        "aot_hit": int(aot.get("autograd_cache_hit", 0)),
+    }

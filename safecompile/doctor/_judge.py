@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from functools import partial
 
-from .report import Check, Report, Status, Timing, graphs, message_lines, secs, where
+from .report import Call, Check, Report, Status, Timing, graphs, message_lines, secs, where
 
 __all__ = ["is_debug_backend", "judge"]
 
@@ -75,7 +75,7 @@ def _check_compile(r: Report) -> Check:
         )
     n = len(r.examples)
     done = f"{n} example{'s' if n > 1 else ''}" if len(compiled) == n else f"{len(compiled)} of {n}"
-    summary = f"{done} compiled into {graphs(made)}; cold first calls took {secs(total)}"
+    summary = f"{done} compiled into {graphs(made)}; {_first_calls(r.examples)} took {secs(total)}"
     if total > r.thresholds.compile_warn_s:
         return verdict(
             "warn",
@@ -87,6 +87,19 @@ def _check_compile(r: Report) -> Check:
     return verdict(
         "pass", summary, "compile these shapes before traffic: warmup=Warmup(inputs=[...])", lines
     )
+
+
+def _first_calls(calls: Sequence[Call]) -> str:
+    """What the first calls were: "cold" only where inductor was measured compiling
+    afresh (its cache missed), never where its caches served them."""
+    caches = {c.cache for c in calls if c.graphs}
+    if caches == {"cold"}:
+        return "cold first calls"
+    if caches == {"warm"}:
+        return "first calls (warm: inductor's caches served every graph)"
+    if "cold" in caches or "mixed" in caches:
+        return "first calls (partly cold: some graphs came from inductor's caches)"
+    return "first calls"
 
 
 def _check_graph_breaks(r: Report) -> Check:

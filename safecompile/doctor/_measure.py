@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import functools
 import linecache
 import math
@@ -17,6 +18,7 @@ import platform
 import statistics
 import time
 import types
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -24,6 +26,7 @@ from typing import Any, Literal
 import torch
 
 from safecompile._version import __version__
+from safecompile.base import torchcompat
 from safecompile.base.errors import ConfigError
 from safecompile.base.model import Event, EventKind, State
 from safecompile.base.policies import Rollback
@@ -104,16 +107,18 @@ def diagnose(
         backend_name(plan.backend),
     )
     try:
-        guarded: Any = safe_compile(
-            plan.call,
-            backend=recorder,
-            dynamic=plan.dynamic,
-            fullgraph=plan.fullgraph,
-            buckets=plan.target.buckets,
-            shadow=None,
-            rollback=Rollback(max_recompiles=plan.thresholds.max_recompiles, slower_ratio=None),
-            name=plan.name,
-        )
+        with warnings.catch_warnings():  # a target guarded already shares our guard's name
+            warnings.filterwarnings("ignore", message="two guarded callables are named")
+            guarded: Any = safe_compile(
+                plan.call,
+                backend=recorder,
+                dynamic=plan.dynamic,
+                fullgraph=plan.fullgraph,
+                buckets=plan.target.buckets,
+                shadow=None,
+                rollback=Rollback(max_recompiles=plan.thresholds.max_recompiles, slower_ratio=None),
+                name=plan.name,
+            )
     except (ConfigError, TypeError) as exc:
         raise UsageError(str(exc)) from exc
     session = _Session(guarded, plan, recorder, say)
@@ -141,6 +146,7 @@ def diagnose(
         thresholds=plan.thresholds,
         versions=versions(plan.device),
         quick=settings.quick,
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         examples=tuple(calls),
         sweep=tuple(sweep),
         sweep_plan=sweep_plan,
@@ -317,6 +323,7 @@ class _Session:
         events_before = self.controller.events()
         before = self.controller.stats()
         args, kwargs = _cloned(example)
+        caches = torchcompat.compile_cache_counts()
         started = time.perf_counter()
         try:
             out = self.guarded(*args, **kwargs)
@@ -345,6 +352,7 @@ class _Session:
             graphs=len(new_graphs),
             backend_s=math.fsum(g.compile_s for g in new_graphs),
             graph_s=tuple(g.compile_s for g in new_graphs),
+            cache=_cache_state(caches, torchcompat.compile_cache_counts()),
         )
         failed = _failure_event(_since(events_before, self.controller.events()))
         after = self.controller.stats()
@@ -478,6 +486,19 @@ def source_line(file: object, line: object) -> str | None:
         return None
     text = linecache.getline(file, line).strip()
     return text or None
+
+
+def _cache_state(
+    before: Mapping[str, int], after: Mapping[str, int]
+) -> Literal["cold", "warm", "mixed"] | None:
+    """Whether inductor compiled a call's graphs afresh (``cold``), its caches served them
+    all (``warm``), or some of each; ``None`` when no cache was asked (another backend)."""
+    moved = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    cold = moved.get("fx_miss", 0) > 0
+    warm = moved.get("fx_hit", 0) > 0 or moved.get("aot_hit", 0) > 0
+    if cold:
+        return "mixed" if warm else "cold"
+    return "warm" if warm else None
 
 
 def versions(device: torch.device) -> dict[str, str]:

@@ -77,8 +77,17 @@ def _verdict(r: Report) -> str:
         f"<dt>callable</dt><dd>{_e(r.kind)} <code>{_e(r.name)}</code></dd>"
         f"<dt>backend</dt><dd><code>{_e(r.settings.get('backend'))}</code>"
         f"{' (quick: no sweep, no timing)' if r.quick else ''}</dd>"
+        f"<dt>run</dt><dd>{_e(_ran(r))}</dd>"
         "</dl>\n</section>"
     )
+
+
+def _ran(r: Report) -> str:
+    """When, and on what: ``2026-12-06 17:30 UTC, torch 2.13.0, safecompile 0.9.0, ...``."""
+    when = r.created.replace("T", " ").replace("+00:00", " UTC") if r.created else "date unknown"
+    names = {"torch": "torch", "safecompile": "safecompile", "python": "Python", "device": "on"}
+    shown = [f"{label} {r.versions[k]}" for k, label in names.items() if k in r.versions]
+    return ", ".join([when, *shown])
 
 
 def _checklist(checks: Sequence[Check]) -> str:

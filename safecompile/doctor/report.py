@@ -154,6 +154,9 @@ class Call:
     graphs: int = 0  # graphs compiled for it
     backend_s: float = 0.0  # of ``seconds``, time in the backend compiler
     graph_s: tuple[float, ...] = ()  # backend compile time of each of those graphs
+    # inductor's caches during the call: "cold" (every graph compiled afresh), "warm"
+    # (the caches served every one), "mixed"; None: no cache was asked (another backend)
+    cache: Literal["cold", "warm", "mixed"] | None = None
     note: str | None = None
     max_abs: float | None = None  # against eager (compiled calls only)
     max_rel: float | None = None
@@ -231,6 +234,7 @@ class Report:
     thresholds: Thresholds
     versions: Mapping[str, str]
     quick: bool
+    created: str | None = None  # when the doctor ran: ISO 8601, UTC, to the second
     examples: tuple[Call, ...]
     sweep: tuple[Call, ...] = ()
     sweep_plan: str | None = None  # what the sweep varied, or why there was none

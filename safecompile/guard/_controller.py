@@ -35,6 +35,11 @@ class Controller:
         self.name = engine.name
         """The stable name: what the kill switch, telemetry and persisted verdicts use."""
         self._engine = engine
+        engine.sink.observe_state(self._observed)
+
+    def _observed(self) -> tuple[str, bool]:
+        """What the ``safecompile.state`` and ``safecompile.disabled`` gauges read."""
+        return self.state.value, self._engine.gate.disabled
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         """A copy of a guarded module is unguarded (see ``_ModuleForward``)."""
@@ -58,27 +63,30 @@ class Controller:
             return State.WARMING
         compiled = [g for g in e.table if g.compiled]
         if not compiled:
-            return State.WARMING if e.compiles.busy else State.PENDING
+            return _uncompiled_state(e)
+        if e.serving.recent(e.serving.counts()).mostly_eager:
+            return State.MOSTLY_EAGER  # graphs serve, but most recent calls ran eager
         return _compiled_state(compiled, checked=e.opts.shadow is not None)
 
     def stats(self) -> Stats:
         """A frozen snapshot of the counters."""
         e = self._engine
-        compiled_calls, eager_calls, limited = e.slots.totals()
+        counts = e.serving.counts()
+        recent = e.serving.recent(counts)
         shadow = e.shadow.figures()
         with e.lock:
             graphs = [g for g in e.table if g.compiled]
             checks = e.table.checks()
             return Stats(
-                calls=compiled_calls + eager_calls,
-                compiled_calls=compiled_calls,
-                eager_calls=eager_calls,
+                calls=counts.compiled + counts.eager,
+                compiled_calls=counts.compiled,
+                eager_calls=counts.eager,
                 compiles=len(graphs),
                 compile_errors=e.tally.compile_errors,
                 compile_seconds=sum(g.compile_s for g in graphs),
                 graphs=len(graphs),
                 graph_breaks=e.tally.graph_breaks,
-                recompile_limit_calls=limited,
+                recompile_limit_calls=counts.by_reason["recompile_limit"],
                 shadow_checks=shadow.checks,
                 shadow_breaches=shadow.breaches,
                 shadow_skipped=shadow.skipped,
@@ -89,6 +97,9 @@ class Controller:
                 max_rel_diff=shadow.max_rel,
                 rollbacks=e.tally.rollbacks,
                 last_rollback=e.tally.last_rollback,
+                eager_by_reason=counts.by_reason,
+                recent_calls=recent.calls,
+                recent_compiled_share=recent.compiled_share,
                 extra={
                     "latency": shadow.latency,
                     "shadow_queue_full": shadow.queue_full,
@@ -182,7 +193,7 @@ class Controller:
                     torch_missing(dropped)
             e.trips.reset()
             e.compiles.reset()
-            e.slots.clear()
+            e.serving.restart()  # the slots' counts from zero; the metrics' go on
             e.shadow.reset()
             e.failures.forget()
             e.persisted.forget()
@@ -214,6 +225,17 @@ class Controller:
             "source": location_fields(e.location) or None,
             "ranks": e.trips.ranks.report() if e.trips.ranks is not None else None,
         }
+
+
+def _uncompiled_state(e: Engine) -> State:
+    """No graph compiled: ``warming`` while one compiles, ``nothing_to_compile`` when
+    dynamo ran the callable and made no graph (eager serves, as under torch.compile),
+    else ``pending``."""
+    if e.compiles.busy:
+        return State.WARMING
+    if e.serving.counts().by_reason["no_graph"]:
+        return State.NOTHING_TO_COMPILE
+    return State.PENDING
 
 
 def _compiled_state(compiled: list[GraphRecord], *, checked: bool) -> State:

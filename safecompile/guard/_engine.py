@@ -13,6 +13,7 @@ import collections
 import math
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,6 +46,7 @@ from safecompile.shapes.table import BucketTable
 
 from ._compiles import CompileTracker, KnownFailures
 from ._precompile import Precompiled
+from ._serving import Serving
 from ._slots import Slots
 from ._trips import TripHooks, Trips
 from .backend import compile_function, own_frame
@@ -147,6 +149,7 @@ class Engine:
         self.gate = Gate(self._first_use)
         self._compile_lock = threading.Lock()
         self.slots: Slots[GraphRecord] = Slots()
+        self.serving = Serving(self.slots, self.clock)  # who served: eager calls by why
         self.table = GraphTable(opts.shadow)
         hooks = TripHooks(
             self.record, self._counted, self.restart_speed, self._recovered, self.location
@@ -188,10 +191,17 @@ class Engine:
             announce=self._announce_compile,
         )
         self.backend = GuardBackend(compiler, graph_hooks, opts.backend_label)
-        ks.register(name)
+        if ks.register(name, self):
+            self._warn(
+                EventKind.NAME_SHARED,
+                f"two guarded callables are named {name!r}: the kill switch, telemetry and "
+                "persisted verdicts cannot tell them apart; give each its own "
+                "safe_compile(name=...)",
+                here=True,
+            )
         ks.watch(self.gate)
         self.refresh_switch()
-        sink.observe_calls(self._call_counts, self.table.checks)
+        sink.observe_calls(self.serving.lifetime, self._serving_graphs)
 
     def start_afresh(self) -> None:
         """A new speed verdict and tally (at the start, and on ``reset()``)."""
@@ -255,6 +265,8 @@ class Engine:
             )
             self.gate.eager_until = until = self.trips.eager_until()
             self.gate.eager = self.gate.disabled or until == math.inf
+            tripped = "rolled_back" if self.trips.tripped else None
+            self.serving.gate_mode("disabled" if self.gate.disabled else tripped)
 
     @property
     def warming_up(self) -> bool:
@@ -307,7 +319,13 @@ class Engine:
     def _warn_switch_doubts(self, value: str | bytes | None, *, unmatched: bool = False) -> None:
         """One warning event per doubtful part of a ``SAFECOMPILE_DISABLE`` value."""
         for doubt in ks.unwarned_doubts(value, unmatched=unmatched):
-            self.say(EventKind.SWITCH_WARNING, doubt)
+            self._warn(EventKind.SWITCH_WARNING, doubt)
+
+    def _warn(self, kind: EventKind, message: str, *, here: bool = False) -> None:
+        """A mistake of the user's: an event, and a Python warning (seen where no logging is
+        set up); each is said once per process by its caller."""
+        self.say(kind, message, here=here)
+        warnings.warn(message, UserWarning, stacklevel=3)
 
     # ------------------------------------------------------------------ events and trips
 
@@ -552,6 +570,14 @@ class Engine:
                 ),
             )
 
-    def _call_counts(self) -> tuple[int, int]:
-        compiled, eager, _ = self.slots.totals()
-        return compiled, eager
+    def _serving_graphs(self) -> dict[str, int]:
+        """The compiled graphs that serve live calls, by where their checks stand (``off``:
+        shadow checks off); none while disabled, rolled back or warming up."""
+        counts = dict.fromkeys(("checked", "unchecked", "not_yet", "off"), 0)
+        with self.lock:
+            if self.gate.disabled or self.trips.tripped or self.warming_up:
+                return counts
+            for graph in self.table:
+                if graph.compiled:
+                    counts[graph.check()] += 1
+        return counts

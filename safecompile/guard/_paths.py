@@ -118,6 +118,21 @@ _META_LOG = _MetaLogHold()
 logging.getLogger(_MetaLogHold.LOGGER).addFilter(_META_LOG)
 
 
+class _TorchLimitQuiet(logging.Filter):
+    """Drops dynamo's own recompile-limit warning raised inside a guarded call: our
+    ``recompile_limit`` event said it first (our limit is below torch's), and the calls
+    past torch's limit are counted as ``recompile_limit`` too. Elsewhere it stays."""
+
+    LOGGER, START = torchcompat.RECOMPILE_LIMIT_LOG
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        said_by_us = isinstance(record.msg, str) and record.msg.startswith(self.START)
+        return not (said_by_us and _in_guarded_call())
+
+
+logging.getLogger(_TorchLimitQuiet.LOGGER).addFilter(_TorchLimitQuiet())
+
+
 def entrypoint(e: Engine) -> Callable[..., Any]:
     """The guarded function (see the module doc). With a process group, every call is
     counted for the ranks' safe points; without one, nothing is added."""
@@ -265,12 +280,11 @@ def finish(e: Engine, call: Call, out: Any) -> Any:
         e.speed_done(Step.TIME_COMPILED, elapsed if served else None)
     slot.end()
     if first is None or not first.compiled:
-        # No compiled graph served: dynamo ran the frame eagerly, or the graph is past
-        # the recompile limit and its traced code ran eagerly.
-        if not call.warmup:
-            slot.eager += 1
-            if first is not None:
-                slot.limited += 1
+        # No compiled graph served: the graph is past the recompile limit and its traced
+        # code ran eagerly, or dynamo ran the frame eagerly: past torch's own limit (above
+        # ours), or it made no graph of it (nothing to compile)
+        limited = first is not None or e.tally.limit_said
+        call.count_eager("recompile_limit" if limited else "no_graph")
         return out
     if due:
         if snapshot is None:
@@ -309,7 +323,7 @@ def _check(
             max_abs=verdict.max_abs,
             max_rel=verdict.max_rel,
         )
-    call.count_eager()
+    call.count_eager("check")
     return (verdict.eager_out,)
 
 
@@ -317,7 +331,7 @@ def recover(e: Engine, call: Call, failure: Exception) -> Any:
     """The compiled path raised: answer with eager's result, or eager's own error."""
     call.slot.end()
     if call.entry is not None and _bucket_fault(e, failure, call.entry):
-        return eager(e, call)
+        return eager(e, call, "bucket")
     try:
         out = e.fn(*call.args, **call.kwargs)
     except Exception:
@@ -325,7 +339,7 @@ def recover(e: Engine, call: Call, failure: Exception) -> Any:
         _META_LOG.drop()  # torch's log of it while tracing is noise: eager's error says it
         raise
     finally:
-        call.count_eager()
+        call.count_eager("error")
     _META_LOG.replay()
     if not isinstance(failure, _COMPILE_ERRORS):
         e.trip(Reason.RUNTIME_ERROR, error=failure, bucket=call.bucket)
@@ -359,14 +373,15 @@ def _bucket_fault(e: Engine, failure: Exception, entry: BucketEntry) -> bool:
     return False
 
 
-def eager(e: Engine, call: Call) -> Any:
-    """Run eager and count it (a warmup call runs nothing: its result is discarded)."""
+def eager(e: Engine, call: Call, why: str) -> Any:
+    """Run eager and count it, for ``why`` (a key of ``Stats.eager_by_reason``); a warmup
+    call runs nothing: its result is discarded."""
     if call.warmup:
         return None
     try:
         return e.fn(*call.args, **call.kwargs)
     finally:
-        call.slot.eager += 1
+        call.count_eager(why)
 
 
 # ---------------------------------------------------------------- the gate is closed
@@ -378,8 +393,8 @@ def call_slow(
     """Every call the hot path does not take (see the module doc)."""
     call = Call(args, kwargs, e.slots.get(), warmup=warmup)
     admitted = _admit(e, call)
-    if admitted is None:
-        return eager(e, call)
+    if admitted not in ("trial", "compiled"):
+        return eager(e, call, admitted)
     trial = admitted == "trial"
     before = call.slot.compiled
     try:
@@ -389,7 +404,7 @@ def call_slow(
         # instead of compiling the same graph again (torch does not de-duplicate).
         with e.compiles.claim(exclusive=True) as mine:
             if not mine and not warmup:
-                return eager(e, call)
+                return eager(e, call, "warming")
             return _call_compiled(e, call, force=trial or warmup)
     finally:
         if trial:
@@ -415,23 +430,23 @@ def discarded(e: Engine) -> None:
             mark_step()
 
 
-def _admit(e: Engine, call: Call) -> str | None:
+def _admit(e: Engine, call: Call) -> str:
     """Whether this call may try the compiled path: ``"trial"`` (the half-open trial),
-    ``"compiled"``, or ``None`` (eager serves it)."""
+    ``"compiled"``, or why eager serves it (a key of ``Stats.eager_by_reason``)."""
     if e.gate.disabled:
-        return None
+        return "disabled"
     if e.trips.tripped:
-        return "trial" if not call.warmup and e.trips.claim_trial() else None
-    if not call.warmup and (
-        (e.opts.rollout < 1.0 and not e.pick_compiled())
-        or e.warming_up
-        or e.compiles.busy_elsewhere()  # a compile is in flight elsewhere: eager meanwhile
-    ):
-        return None
+        return "trial" if not call.warmup and e.trips.claim_trial() else "rolled_back"
+    if not call.warmup:
+        if e.opts.rollout < 1.0 and not e.pick_compiled():
+            return "rollout"
+        # a warmup, or a compile in flight elsewhere: eager meanwhile
+        if e.warming_up or e.compiles.busy_elsewhere():
+            return "warming"
     known = e.failures.known(call.args, call.kwargs)
     if known is not None:
         e.trip(Reason.COMPILE_ERROR, message=known)
-        return None
+        return "error"
     if len(e.table) == 0 and e.persisted.active:
         e.persisted.load_artifacts(call.args, call.kwargs)  # once: torch's artifacts
         e.precompiled.load(call.args, call.kwargs, e.backend.adopt)  # once: loaded, not traced
@@ -441,7 +456,7 @@ def _admit(e: Engine, call: Call) -> str | None:
 def _call_compiled(e: Engine, call: Call, *, force: bool) -> Any:
     """Call the compiled function from the slow path (buckets planned here)."""
     if not _plan_bucket(e, call):
-        return eager(e, call)
+        return eager(e, call, "bucket")
     slot = call.slot
     step = Step.UNTIMED
     if e.speed is not None and not (force or call.warmup):
@@ -449,7 +464,7 @@ def _call_compiled(e: Engine, call: Call, *, force: bool) -> Any:
         if step is Step.TIME_EAGER:
             return _probe(e, call)
         if step is Step.EAGER:  # a call that settles the eager arm before a probe
-            return eager(e, call)
+            return eager(e, call, "speed")
     slot.begin()
     slot.force = force
     slot.call = call
@@ -526,7 +541,7 @@ def _probe(e: Engine, call: Call) -> Any:
         sync_device(out)
         elapsed = e.speed_clock() - started
     finally:
-        call.slot.eager += 1
+        call.count_eager("speed")
         e.speed_done(Step.TIME_EAGER, elapsed)
     return out
 
@@ -584,7 +599,7 @@ def _call_bucket(e: Engine, call: Call) -> Any:
         except BucketError as exc:
             reject_bucket(e, entry, f"outputs could not be cut back: {exc}")
             call.slot.end()
-            return eager(e, call)
+            return eager(e, call, "bucket")
     else:  # nothing padded in this key (or a dynamic range): nothing to verify
         entry.status = BucketStatus.READY
     if not call.warmup:
@@ -613,7 +628,7 @@ def _verify_bucket(e: Engine, call: Call, padded_out: Any) -> Any:
         out = bucketer.unpad(plan, padded_out, cuts)
     except (BucketError, ValueError) as exc:
         reject_bucket(e, entry, f"outputs cannot be cut back: {exc}")
-        return _served_eager(call, eager_out)
+        return _served_eager(call, eager_out, "bucket")
     rtol, atol = e.shadow.tolerances()
     result = compare(out, eager_out, rtol=rtol, atol=atol)
     e.shadow.note(first, entry.label, result)
@@ -633,10 +648,12 @@ def _verify_bucket(e: Engine, call: Call, padded_out: Any) -> Any:
         padded_args, padded_kwargs = bucketer.pad(plan, call.args, call.kwargs)
         padded_eager = bucketer.unpad(plan, e.fn(*padded_args, **padded_kwargs), cuts)
     padding = compare(padded_eager, eager_out, rtol=rtol, atol=atol)
+    served = "bucket"
     if not padding.ok:
         why = f"padding changed the result: {padding.reason}"
         reject_bucket(e, entry, why, max_abs=padding.max_abs, max_rel=padding.max_rel)
     else:
+        served = "check"
         e.trip(
             Reason.DRIFT,
             message=result.reason or "outputs differ",
@@ -645,11 +662,11 @@ def _verify_bucket(e: Engine, call: Call, padded_out: Any) -> Any:
             max_abs=result.max_abs,
             max_rel=result.max_rel,
         )
-    return _served_eager(call, eager_out)
+    return _served_eager(call, eager_out, served)
 
 
-def _served_eager(call: Call, out: Any) -> Any:
-    call.count_eager()
+def _served_eager(call: Call, out: Any, why: str) -> Any:
+    call.count_eager(why)
     return None if call.warmup else out
 
 

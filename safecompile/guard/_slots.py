@@ -10,6 +10,7 @@ that path (:mod:`safecompile.guard._paths`).
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -33,19 +34,21 @@ class Slot(Generic[G]):
         "eager",
         "first",
         "force",
-        "limited",
         "mark",
         "new",
         "seen",
         "snapshot",
         "started",
         "timer",
+        "why",
     )
 
     def __init__(self) -> None:
         self.compiled = 0  # calls served by compiled graphs
         self.eager = 0  # calls served eagerly
-        self.limited = 0  # of those, eager because of the recompile limit
+        # of those, the ones counted off the hot path, by why (``Stats.eager_by_reason``);
+        # the hot path's own eager calls (kill switch, rolled back) are the rest
+        self.why: Counter[str] = Counter()
         self.first: G | None = None  # the first graph that ran in this call
         self.due: list[G] | None = None  # graphs whose check is due
         self.force = False  # check this call whatever the countdowns say (trials, warmup)
@@ -91,9 +94,11 @@ class CallState(Generic[G]):
     def bucket(self) -> str | None:
         return self.entry.label if self.entry is not None else None
 
-    def count_eager(self) -> None:
+    def count_eager(self, why: str) -> None:
+        """Count the call as served eager, for ``why`` (a key of ``EAGER_REASONS``)."""
         if not self.warmup:
             self.slot.eager += 1
+            self.slot.why[why] += 1
 
 
 class Slots(Generic[G]):
@@ -123,7 +128,12 @@ class Slots(Generic[G]):
         return call.bucket if call is not None else None
 
     def totals(self) -> tuple[int, int, int]:
-        """``(compiled, eager, limited)`` calls over every thread; the slots of threads
+        """``(compiled, eager, limited)`` calls over every thread (see :meth:`counts`)."""
+        compiled, eager, why = self.counts()
+        return compiled, eager, why["recompile_limit"]
+
+    def counts(self) -> tuple[int, int, Counter[str]]:
+        """``(compiled, eager, eager by why)`` calls over every thread; the slots of threads
         that have ended fold into one, so a thread per request does not grow the list."""
         with self._lock:
             living = []
@@ -134,14 +144,13 @@ class Slots(Generic[G]):
                     continue
                 gone.compiled += slot.compiled
                 gone.eager += slot.eager
-                gone.limited += slot.limited
+                gone.why.update(slot.why)
             self._all = living
             slots = [gone, *(slot for _, slot in living)]
-        return (
-            sum(s.compiled for s in slots),
-            sum(s.eager for s in slots),
-            sum(s.limited for s in slots),
-        )
+            why: Counter[str] = Counter()
+            for s in slots:
+                why.update(s.why)
+        return sum(s.compiled for s in slots), sum(s.eager for s in slots), why
 
     def remark(self) -> None:
         """Have every thread report to the speed verdict on its next call."""
@@ -153,5 +162,6 @@ class Slots(Generic[G]):
         """Zero every counter (``reset()``)."""
         with self._lock:
             for slot in (self._gone, *(slot for _, slot in self._all)):
-                slot.compiled = slot.eager = slot.limited = 0
+                slot.compiled = slot.eager = 0
+                slot.why.clear()
                 slot.mark = slot.seen = 0

@@ -28,7 +28,7 @@ from opentelemetry.metrics import Observation
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from safecompile._version import __version__
-from safecompile.base.model import Event, EventKind, Reason
+from safecompile.base.model import Event, EventKind, Reason, State
 from safecompile.base.options import backend_name
 
 from .log import log_event, report_internal_error
@@ -53,6 +53,7 @@ _WARNING_KINDS = frozenset(
         EventKind.RECOMPILE_LIMIT,
         EventKind.SHADOW_SKIPPED,
         EventKind.SWITCH_WARNING,
+        EventKind.NAME_SHARED,
     }
 )
 _DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 25.0, 50.0, 100.0, 300.0)
@@ -131,6 +132,40 @@ class _Instruments:
             unit="{graph}",
             description="Compiled graphs serving, by where their shadow checks stand.",
         )
+        self.state = meter.create_observable_gauge(
+            "safecompile.state",
+            callbacks=[lambda _: _guarded("safecompile.state", self._states) or []],
+            unit="1",
+            description="1 for the state each guarded callable is in, 0 for the others.",
+        )
+        self.disabled = meter.create_observable_gauge(
+            "safecompile.disabled",
+            callbacks=[lambda _: _guarded("safecompile.disabled", self._disabled) or []],
+            unit="1",
+            description="1 while the kill switch turns the guarded callable off, else 0.",
+        )
+
+    def _states(self) -> list[Observation]:
+        out: list[Observation] = []
+        for entry in _live_entries():
+            read = entry.read_state(self)
+            if read is not None:
+                out.extend(
+                    Observation(
+                        int(state.value == read[0]),
+                        {"safecompile.function": entry.function, "safecompile.state": state.value},
+                    )
+                    for state in State
+                )
+        return out
+
+    def _disabled(self) -> list[Observation]:
+        out: list[Observation] = []
+        for entry in _live_entries():
+            read = entry.read_state(self)
+            if read is not None:
+                out.append(Observation(int(read[1]), {"safecompile.function": entry.function}))
+        return out
 
     def _graphs(self) -> list[Observation]:
         totals: Counter[tuple[str, str]] = Counter()
@@ -174,7 +209,7 @@ def _instruments_of(provider: metrics.MeterProvider | None) -> _Instruments:
 class _CallsEntry:
     """One guarded callable's count sources, held weakly."""
 
-    __slots__ = ("function", "graphs", "last", "last_instruments", "owner", "source")
+    __slots__ = ("function", "graphs", "last", "last_instruments", "owner", "source", "state")
 
     def __init__(
         self,
@@ -186,6 +221,7 @@ class _CallsEntry:
         self.owner = weakref.ref(telemetry)
         self.source = _weak(source)
         self.graphs = _weak(graphs) if graphs is not None else None
+        self.state: weakref.ref[Callable[[], tuple[str, bool]]] | None = None
         self.last = (0, 0)
         self.last_instruments: _Instruments | None = None
 
@@ -209,6 +245,13 @@ class _CallsEntry:
     def read_graphs(self, instruments: _Instruments) -> Mapping[str, int] | None:
         """This callable's graphs by check, if it reports to ``instruments`` now."""
         source = self.graphs() if self.graphs is not None else None
+        if source is None or not self._reports_to(instruments):
+            return None
+        return source()
+
+    def read_state(self, instruments: _Instruments) -> tuple[str, bool] | None:
+        """This callable's ``(state, disabled)``, if it reports to ``instruments`` now."""
+        source = self.state() if self.state is not None else None
         if source is None or not self._reports_to(instruments):
             return None
         return source()
@@ -270,6 +313,7 @@ class Telemetry:
         self.backend = backend_name(backend)
         self._tracer_provider = tracer_provider
         self._meter_provider = meter_provider
+        self._entry: _CallsEntry | None = None  # what observe_calls registered
 
     # Looked up at each use (events are rare), each on its own: a broken meter provider
     # does not cost the spans.
@@ -449,9 +493,17 @@ class Telemetry:
         last counts read stay in the totals (the counter never goes down)."""
         try:
             self._instruments()  # make sure the observable counter exists on this meter
-            _live_entries(adding=_CallsEntry(self, source, graphs))
+            self._entry = _CallsEntry(self, source, graphs)
+            _live_entries(adding=self._entry)
         except Exception as exc:  # telemetry never breaks a call
             report_internal_error("Telemetry.observe_calls", exc)
+
+    def observe_state(self, source: Callable[[], tuple[str, bool]]) -> None:
+        """Report ``source()`` = ``(state, disabled)`` as ``safecompile.state`` (1 for the
+        state, 0 for the others) and ``safecompile.disabled``, read when a metric reader
+        collects; after :meth:`observe_calls`, held weakly as its sources are."""
+        if self._entry is not None:
+            self._entry.state = _weak(source)
 
 
 def _break_attributes(entry: object) -> dict[str, Any]:
