@@ -308,3 +308,16 @@ def test_transformer_encoder_with_padding_mask() -> None:
     differ = breach_event(undeclared).details["differ"]
     assert differ["worst_index"][:2] in ([1, 4], [1, 5])
     assert differ["mask"] == "src_key_padding_mask"
+
+
+def test_declared_comparison_keys_persisted_verdicts() -> None:
+    """A bucket verdict verified under one declared comparison is not reused under another
+    (nor under none); the key names it the same way in every process."""
+    from safecompile.base.options import Options
+
+    def key(shadow: Shadow) -> Any:
+        return Options(shadow=shadow).verdict_key(checks=True)["extra"]
+
+    assert "compare" not in key(Shadow())
+    assert key(Shadow(compare=ignore_where("mask")))["compare"] == "ignore_where('mask')"
+    assert key(Shadow(compare=ignore_where("mask", equals=0)))["compare"] != "ignore_where('mask')"
