@@ -16,6 +16,7 @@ examples share. Then, from another terminal::
     curl -s localhost:8081/                                      # the endpoints
     curl -s localhost:8081/score --json '{"tokens": [5, 17, 42]}'  # one score per token
     curl -s localhost:8081/status                                # warm yet? the report
+    curl -si localhost:8081/ready                                # 200 once compiled serves
     curl -s localhost:8081/fault --json '{"kind": "error"}'      # compiled code now fails
     curl -s localhost:8081/score --json '{"tokens": [5, 17, 42]}'  # same scores, by eager
     curl -s localhost:8081/status | grep '"state"'               # "rolled_back"
@@ -30,14 +31,27 @@ a CDN, so it needs a network).
 The model tags each token of a request with a score. Requests of any length up to 128
 tokens are padded to the next power of two (``Buckets``), so at most 5 graphs are ever
 compiled, one per bucket, all of them in the background at start-up (``Warmup``) while
-eager answers; longer requests run eager. Each graph's first calls, then one call in 8,
-are compared with eager before the answer goes out (``Shadow(mode="sync")``).
+eager answers; longer requests run eager. Each graph's first calls, then one call in 32,
+are compared with eager before the answer goes out (``Shadow(mode="sync")``). The model
+is sized so that compiling pays on a CPU (``bench/serving_model.py`` measures eager,
+``torch.compile`` and this guarded call side by side); where it does not, the speed
+verdict serves eager (``slower``) and measures again after ``RETRY_AFTER_S`` seconds,
+doubling the wait while compiled stays slower. The ``eager`` and ``aot_eager`` backends
+exist to test the plumbing and never beat eager, so with them the speed verdict is off.
+
+``GET /ready`` is for a load balancer: 200 once the warmup has finished and compiled
+graphs serve (also with the kill switch on: eager serving by an operator's choice),
+503 while warming up or after a rollback (eager still answers correctly, only slower).
+A rollback on every replica makes every one unready: use a load balancer that fails open
+when no target is ready. ``/status``'s ``warm`` says the same.
 
 ``POST /fault`` makes the compiled code fail (``{"kind": "error"}``) or drift by 1%
-(``{"kind": "drift"}``), to watch a live rollback: an error is answered by eager at once;
-drift is caught at the next checked call (on a graph still in its canary, the next call),
-and a checked call never returns the drifted value. Either way the model rolls back to
-eager (state ``rolled_back``) and the event names the reason and the model's source line.
+(``{"kind": "drift"}``), to watch a live rollback of a path that serves: an error is
+answered by eager at once; drift is caught at the next checked call (on a graph still in
+its canary, the next call), and a checked call never returns the drifted value. Either
+way the model rolls back to eager (state ``rolled_back``), the event names the reason and
+the model's source line, and ``/ready`` turns 503; the compiled path is tried again after
+``RETRY_AFTER_S`` (``POST /fault --json '{"kind": null}'`` ends the fault).
 The kill switch is ``POST /killswitch`` here (``safecompile.disable()``), or
 ``SAFECOMPILE_DISABLE=serving.*`` in the environment at start (which ``/killswitch`` cannot
 turn off); ``GET /metrics`` is the Prometheus scrape.
@@ -74,7 +88,10 @@ PORT = 8081  # mkdocs serve takes 8000
 
 # What /status's sections mean: the controller's report, read by a person.
 LEGEND = {
-    "warm": "whether the start-up warmup has finished (until then eager answers every call)",
+    "warm": (
+        "whether compiled graphs answer requests: the start-up warmup has finished and no "
+        "rollback is in force (/ready says the same to a load balancer)"
+    ),
     "state": "pending | warming | canary | compiled | unchecked | rolled_back | disabled",
     "stats": "call counters since start (or /reset): compiled_calls + eager_calls == calls",
     "graphs": "one per graph torch compiled: its input shapes, calls, checks, canary left",
@@ -87,13 +104,47 @@ LEGEND = {
 }
 
 
-class Tagger(nn.Module):
-    """Scores every token of a sequence in the context of the whole (unpadded) sequence."""
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm, written out: five elementwise operators in eager, one
+    fused loop compiled."""
 
-    def __init__(self, vocab: int = VOCAB, dim: int = 32) -> None:
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class Block(nn.Module):
+    """A pre-norm residual SwiGLU block (as in Llama): its norm, gate and residual are
+    elementwise work that a compiler fuses and eager runs operator by operator."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = RMSNorm(dim)
+        self.gate = nn.Linear(dim, 2 * dim, bias=False)
+        self.up = nn.Linear(dim, 2 * dim, bias=False)
+        self.down = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.norm(h)
+        return h + self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+class Tagger(nn.Module):
+    """Scores every token of a sequence in the context of the whole (unpadded) sequence.
+
+    Sized so that compiling pays on a CPU: the fused elementwise work of four blocks
+    outweighs the guarded call's own cost (``bench/serving_model.py`` measures it); a
+    model of a few operators is served eager by the speed verdict, rightly."""
+
+    def __init__(self, vocab: int = VOCAB, dim: int = 64, blocks: int = 4) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.mix = nn.Linear(2 * dim, dim)
+        self.blocks = nn.ModuleList(Block(dim) for _ in range(blocks))
+        self.norm = RMSNorm(dim)
         self.out = nn.Linear(dim, 1)
 
     def forward(self, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -101,7 +152,9 @@ class Tagger(nn.Module):
         keep = mask.unsqueeze(-1).to(h.dtype)  # padding positions are 0
         context = (h * keep).sum(1, keepdim=True) / keep.sum(1, keepdim=True)
         h = torch.relu(self.mix(torch.cat([h, context.expand_as(h)], dim=-1)))
-        scores: torch.Tensor = self.out(h).squeeze(-1)  # (batch, seq)
+        for block in self.blocks:
+            h = block(h)
+        scores: torch.Tensor = self.out(self.norm(h)).squeeze(-1)  # (batch, seq)
         return scores
 
 
@@ -166,24 +219,44 @@ class SwitchRequest(BaseModel):
     on: bool
 
 
-def create_app(backend: str = "inductor") -> FastAPI:
-    """The service: the guarded model and its endpoints."""
-    faults = FaultSwitch(backend)
+# Backends that never run faster than eager (they exist to test the plumbing): the speed
+# verdict would rightly roll them back as "slower", so with them it is off.
+TEST_BACKENDS = ("eager", "aot_eager")
+RETRY_AFTER_S = 30.0  # after a trip, try the compiled path again (doubling while it fails)
+
+# The states in which compiled graphs answer requests.
+SERVING_COMPILED = ("canary", "compiled", "unchecked")
+
+
+def guard(model: nn.Module, backend: Any, *, label: str) -> Any:
+    """The example's guarded model: buckets, background warmup, shadow checks, rollback."""
+    speed = None if label in TEST_BACKENDS else 1.05
     # Warmup compiles under the grad mode of this line, and torch compiles one graph per
     # grad mode: decorate under the no_grad() the requests run in, or warmup is wasted.
     with torch.no_grad():
-        model = safe_compile(
-            build_model(),
+        return safe_compile(
+            model,
             name=NAME,
-            backend=faults,
+            backend=backend,
             dynamic=False,  # static shapes: one graph per bucket, as CUDA graphs want
             buckets=Buckets(dims={"tokens": 1, "mask": 1}, sizes=pow2(8, MAX_TOKENS)),
             warmup=Warmup(inputs=[encode(list(range(8)))], background=True),
-            shadow=Shadow(canary=2, every=8, mode="sync"),
-            rollback=Rollback(retry_after=None),  # stay on eager after a trip, until /reset
+            shadow=Shadow(canary=2, every=32, mode="sync"),
+            rollback=Rollback(slower_ratio=speed, retry_after=RETRY_AFTER_S),
             meter_provider=prometheus_meter_provider(),
         )
+
+
+def create_app(backend: str = "inductor") -> FastAPI:
+    """The service: the guarded model and its endpoints."""
+    faults = FaultSwitch(backend)
+    model = guard(build_model(), faults, label=backend)
     controller = model.safecompile
+
+    def warm() -> bool:
+        """The start-up warmup has finished and compiled graphs answer requests now."""
+        return controller.wait_warm(timeout=0) and controller.state.value in SERVING_COMPILED
+
     lock = threading.Lock()  # one request changes the switches at a time
     app = FastAPI(title="safecompile serving example")
 
@@ -208,9 +281,16 @@ def create_app(backend: str = "inductor") -> FastAPI:
     @app.get("/status")
     def status() -> Response:
         """Warm yet, the state, counters, graphs, buckets and events (with a legend)."""
-        return pretty(
-            {"legend": LEGEND, "warm": controller.wait_warm(timeout=0), **controller.report()}
-        )
+        return pretty({"legend": LEGEND, "warm": warm(), **controller.report()})
+
+    @app.get("/ready")
+    def ready() -> Response:
+        """Readiness for a load balancer: 200 when warm and serving compiled, else 503."""
+        state = controller.state.value
+        body = {"ready": warm(), "state": state, "warmup_done": controller.wait_warm(timeout=0)}
+        if state == "disabled":  # an operator's choice, fleet-wide: eager serves, stay in
+            body["ready"] = body["warmup_done"]
+        return pretty(body, status_code=200 if body["ready"] else 503)
 
     @app.post("/fault")
     def fault(request: FaultRequest) -> dict[str, Any]:
@@ -248,9 +328,10 @@ def create_app(backend: str = "inductor") -> FastAPI:
     return app
 
 
-def pretty(body: dict[str, Any]) -> Response:
+def pretty(body: dict[str, Any], status_code: int = 200) -> Response:
     """JSON indented for a person reading it with curl."""
-    return Response(json.dumps(body, indent=2) + "\n", media_type="application/json")
+    text = json.dumps(body, indent=2) + "\n"
+    return Response(text, status_code=status_code, media_type="application/json")
 
 
 def endpoints(app: FastAPI) -> dict[str, str]:

@@ -11,7 +11,7 @@ from ._version import __version__
 from .base.errors import ConfigError
 from .base.killswitch import ENV_VAR, disable, enable
 from .base.model import Event, EventKind, Reason, State, Stats
-from .base.policies import Buckets, Rollback, Shadow, Warmup, pow2, steps
+from .base.policies import Buckets, IgnoreWhere, Rollback, Shadow, Warmup, ignore_where, pow2, steps
 from .compose import safe_compile
 from .guard.decorator import Guarded
 from .observe.telemetry import configure
@@ -29,6 +29,7 @@ __all__ = [
     "Event",
     "EventKind",
     "Guarded",
+    "IgnoreWhere",
     "Reason",
     "Rollback",
     "Shadow",
@@ -39,6 +40,7 @@ __all__ = [
     "configure",
     "disable",
     "enable",
+    "ignore_where",
     "install",
     "pow2",
     "safe_compile",

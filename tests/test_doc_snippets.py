@@ -25,6 +25,7 @@ PAGES = [
     "docs/rollout.md",
     "docs/testing.md",
     "docs/troubleshooting.md",
+    "docs/declared-comparisons.md",
 ]
 TIMEOUT_S = 180  # each page takes seconds; the bound only stops a hang
 

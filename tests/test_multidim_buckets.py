@@ -399,3 +399,31 @@ def test_policy_is_frozen_hashable_and_detached_from_the_callers_dicts() -> None
     assert short.dims == {"x": (1,), "mask": (1,)}
     assert dataclasses.replace(short, strategy="pad").dims == short.dims
     assert short != dataclasses.replace(short, strategy="pad")
+
+
+def test_pad_passes_through_a_tensor_already_at_its_buckets_size() -> None:
+    """With two axes, a tensor on the axis that needs no padding is not copied; keyword
+    arguments are padded in a new dict, the caller's left as it was."""
+
+    def fn(x: torch.Tensor, pos: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x
+
+    b = Bucketer(
+        Buckets(
+            dims={"x": {0: "batch", 1: "seq"}, "pos": {0: "seq"}, "scale": {0: "batch"}},
+            sizes={"batch": (2, 4), "seq": (8, 16)},
+        ),
+        fn,
+    )
+    x, pos, scale = torch.ones(4, 5), torch.arange(5), torch.ones(4)
+    kwargs = {"scale": scale}
+    plan = b.plan((x, pos), kwargs)
+    assert plan is not None
+    assert plan.sizes == (4, 8)
+
+    (px, ppos), pkw = b.pad(plan, (x, pos), kwargs)
+
+    assert px.shape == (4, 8)
+    assert ppos.shape == (8,)
+    assert pkw["scale"] is scale  # already 4 on the batch axis: no copy
+    assert kwargs == {"scale": scale}

@@ -102,10 +102,19 @@ def fresh(server: httpx.Client) -> Iterator[httpx.Client]:
     assert server.post("/reset").json() == {"reset": True}
 
 
+def ready(client: httpx.Client) -> dict[str, Any]:
+    """``GET /ready``'s body; its status code is 200 exactly when it says ready."""
+    response = client.get("/ready")
+    body: dict[str, Any] = response.json()
+    assert response.status_code == (200 if body["ready"] else 503), body
+    return body
+
+
 def wait_warm(client: httpx.Client) -> None:
     """Until the start-up warmup has finished (it runs at the lowest CPU priority)."""
     deadline = time.monotonic() + WARM_TIMEOUT_S
-    while not status(client)["warm"]:
+    while not ready(client)["warmup_done"]:
+        assert not status(client)["warm"]  # not warm while the warmup runs
         assert time.monotonic() < deadline, status(client)
         time.sleep(0.2)  # the server's own background warmup: nothing to fake
 
@@ -170,6 +179,8 @@ def test_scores_match_eager_while_warming_and_compiled(
     report = status(client)
     assert states <= {"canary", "compiled"}
     assert report["state"] == "compiled", report["graphs"]  # 3 calls a bucket: canary of 2
+    assert report["warm"]
+    assert ready(client)["ready"]
     assert len(report["graphs"]) == 5  # and no more
     assert report["stats"]["compiled_calls"] - before["compiled_calls"] == 3 * 9
     assert report["stats"]["eager_calls"] - before["eager_calls"] == 3  # the 129 tokens
@@ -210,6 +221,36 @@ def test_error_fault_rolls_back_live(
     assert report["stats"]["compiled_calls"] == 1  # only the call before the fault
 
 
+def test_fault_lands_on_the_compiled_path_that_serves(
+    client: httpx.Client, eager: Callable[[list[int]], torch.Tensor]
+) -> None:
+    """Once warm, compiled graphs answer every bucketed request and /ready says 200; a
+    fault then is caught on that path: eager's scores, a runtime_error rollback, /ready
+    503 and ``warm`` false (the test backend runs with the speed verdict off, so nothing
+    else moves it off the compiled path)."""
+    compile_one(client, eager)  # after the last test's reset: compile one bucket again
+    before = status(client)["stats"]
+    for _ in range(3):
+        assert assert_eager_scores(client, eager, tokens_of(5)) in {"canary", "compiled"}
+    report = status(client)
+    assert report["stats"]["compiled_calls"] - before["compiled_calls"] == 3
+    assert report["stats"]["eager_calls"] == before["eager_calls"]
+    assert report["state"] == "compiled"
+    assert report["warm"]
+    assert ready(client)["ready"]
+
+    client.post("/fault", json={"kind": "error"})
+    assert assert_eager_scores(client, eager, tokens_of(5)) == "rolled_back"
+
+    report = status(client)
+    [rollback] = rollbacks_since_reset(report)
+    assert rollback["reason"] == "runtime_error"
+    assert report["stats"]["compiled_calls"] - before["compiled_calls"] == 3
+    assert not report["warm"]
+    body = ready(client)
+    assert body == {"ready": False, "state": "rolled_back", "warmup_done": True}
+
+
 def test_drift_fault_is_caught_by_the_canary(
     client: httpx.Client, eager: Callable[[list[int]], torch.Tensor]
 ) -> None:
@@ -234,6 +275,8 @@ def test_kill_switch(client: httpx.Client, eager: Callable[[list[int]], torch.Te
     compiled = status(client)["stats"]["compiled_calls"]
     assert assert_eager_scores(client, eager, tokens_of(5)) == "disabled"
     assert status(client)["stats"]["compiled_calls"] == compiled
+    assert ready(client)["ready"]  # an operator's choice, fleet-wide: the replica stays in
+    assert not status(client)["warm"]  # but no compiled graph answers
 
     assert client.post("/killswitch", json={"on": False}).json()["state"] != "disabled"
     assert assert_eager_scores(client, eager, tokens_of(5)) in {"canary", "compiled"}
@@ -279,6 +322,7 @@ def test_index_lists_the_endpoints(server: httpx.Client, serving: ModuleType) ->
         "GET /",
         "POST /score",
         "GET /status",
+        "GET /ready",
         "POST /fault",
         "POST /killswitch",
         "POST /reset",

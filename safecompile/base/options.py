@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .errors import ConfigError, unknown_options
-from .policies import Buckets, Rollback, Shadow, Warmup
+from .policies import Buckets, Rollback, Shadow, Warmup, compare_label
 
 __all__ = ["Clock", "CompilerFn", "Options", "backend_name"]
 
@@ -114,6 +114,8 @@ class Options:
             shadow = self.shadow
             extra["buckets"] = repr(self.buckets) if self.buckets is not None else None
             extra["tolerances"] = repr((shadow.rtol, shadow.atol)) if shadow is not None else None
+            if shadow is not None and shadow.compare is not None:
+                extra["compare"] = compare_label(shadow.compare)
         return keyed | {"backend": self.backend_label, "extra": extra}
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -12,7 +13,18 @@ from typing import Any, Literal
 from ._frozen import FrozenMap
 from .errors import ConfigError, unknown_options
 
-__all__ = ["FOREVER", "Axis", "Buckets", "Rollback", "Shadow", "Warmup", "pow2", "steps"]
+__all__ = [
+    "FOREVER",
+    "Axis",
+    "Buckets",
+    "IgnoreWhere",
+    "Rollback",
+    "Shadow",
+    "Warmup",
+    "ignore_where",
+    "pow2",
+    "steps",
+]
 
 FOREVER = 1 << 62  # a countdown that never runs out
 _WEEK = 7 * 24 * 3600.0  # the longest wait an option may ask for
@@ -441,6 +453,103 @@ def _argument_tuples(items: Iterable[object]) -> tuple[tuple[Any, ...], ...]:
 
 
 @dataclass(frozen=True, kw_only=True)
+class IgnoreWhere:
+    """A declared comparison (:func:`ignore_where`): output positions where the input
+    ``arg`` equals ``equals`` are not compared."""
+
+    arg: str
+    equals: bool | float = True
+    dims: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.arg, str) or not self.arg.isidentifier():
+            raise ConfigError(
+                f"ignore_where(arg=...) must name an argument of the function, got {self.arg!r}"
+            )
+        if not isinstance(self.equals, bool | int | float) or math.isnan(self.equals):
+            raise ConfigError(
+                "ignore_where(equals=...) must be a bool or a number (the mask value of the "
+                f"positions to ignore: True, or 0 for a 1-keep/0-pad attention mask), got "
+                f"{self.equals!r}"
+            )
+        if self.dims is not None:
+            dims = _normal_dims(self.dims)
+            if not dims or any(d < 0 for d in dims):
+                raise ConfigError(
+                    "ignore_where(dims=...) must be a tuple of distinct non-negative output "
+                    "dims, one per dim of the mask (mask dim i lines up with output dim "
+                    f"dims[i]), got {self.dims!r}"
+                )
+            object.__setattr__(self, "dims", dims)
+
+    @property
+    def label(self) -> str:
+        """How ``report()`` and events show it."""
+        dims = f", dims={self.dims!r}" if self.dims is not None else ""
+        equals = f", equals={self.equals!r}" if self.equals is not True else ""
+        return f"ignore_where({self.arg!r}{equals}{dims})"
+
+
+def ignore_where(
+    arg: str, *, equals: bool | float = True, dims: tuple[int, ...] | None = None
+) -> IgnoreWhere:
+    """A declared comparison for :class:`Shadow`: outputs are compared everywhere except
+    where the input ``arg`` equals ``equals`` (positions the model's caller ignores, such as
+    padding). ``Shadow(compare=ignore_where("src_key_padding_mask"))``.
+
+    The mask lines up with the leading dims of each output tensor whose shape starts with
+    the mask's (a ``(batch, seq)`` mask and a ``(batch, seq, dim)`` output); ``dims`` says
+    otherwise: ``dims=(1, 0)`` lines a ``(batch, seq)`` mask up with a ``(seq, batch, dim)``
+    output. Output tensors it does not line up with are compared whole. ``arg`` must be a
+    parameter of the guarded function (checked at decoration).
+
+    :param arg: the parameter whose tensor marks the positions to ignore.
+    :param equals: the mask value of ignored positions (``0`` for a Hugging Face
+        ``attention_mask``, where 1 keeps and 0 pads).
+    :param dims: the output dim each mask dim lines up with; ``None``: the leading dims.
+    """
+    return IgnoreWhere(arg=arg, equals=equals, dims=dims)
+
+
+CompareFn = Callable[[Any, Any, tuple[Any, ...], dict[str, Any]], object]
+
+
+def _check_compare(compare: object) -> None:
+    """``Shadow(compare=...)``: ``None``, an :class:`IgnoreWhere`, or a callable that takes
+    ``(eager_out, compiled_out, args, kwargs)``."""
+    if compare is None or isinstance(compare, IgnoreWhere):
+        return
+    if not callable(compare):
+        raise ConfigError(
+            "Shadow(compare=...) must be None, safecompile.ignore_where(...) or a callable "
+            f"(eager_out, compiled_out, args, kwargs) -> bool, got {type(compare).__name__}"
+        )
+    try:
+        signature = inspect.signature(compare)
+    except (TypeError, ValueError):
+        return  # a builtin or extension callable: its call will tell
+    try:
+        signature.bind(None, None, (), {})
+    except TypeError as exc:
+        raise ConfigError(
+            f"Shadow(compare=...) must take four positional arguments (eager_out, "
+            f"compiled_out, args, kwargs) and return a bool; {compare_label(compare)}"
+            f"{signature} cannot: {exc}"
+        ) from None
+
+
+def compare_label(compare: object) -> str | None:
+    """A declared comparison as ``report()`` and events show it (stable across runs)."""
+    if compare is None:
+        return None
+    if isinstance(compare, IgnoreWhere):
+        return compare.label
+    module = getattr(compare, "__module__", None)
+    name = getattr(compare, "__qualname__", None) or type(compare).__qualname__
+    return f"{module}.{name}" if module else name
+
+
+@dataclass(frozen=True, kw_only=True)
 class Shadow:
     """Compare compiled outputs with eager's on live traffic.
 
@@ -451,6 +560,12 @@ class Shadow:
     :param rtol: relative tolerance; ``None``: the per-dtype default (docs/tolerances.md).
     :param atol: absolute tolerance; ``None``: the per-dtype default.
     :param queue_size: calls waiting for an ``"async"`` check at most (more are not checked).
+    :param compare: a declared comparison, for outputs that are partly don't-care, used by
+        every check (canary, sampled, a bucket's first call; sync and async):
+        :func:`ignore_where` (positions an input masks are not compared), or a callable
+        ``(eager_out, compiled_out, args, kwargs) -> bool`` (``True``: they agree), like
+        GitHub scientist's ``compare``. ``None``: every output element is compared
+        (docs/tolerances.md, "Declaring what to compare").
     """
 
     canary: int = 8
@@ -459,6 +574,7 @@ class Shadow:
     rtol: float | None = None
     atol: float | None = None
     queue_size: int = 16
+    compare: IgnoreWhere | CompareFn | None = None
 
     def __post_init__(self) -> None:
         _check_number("Shadow", "canary", self.canary, minimum=0, integer=True)
@@ -467,6 +583,7 @@ class Shadow:
         _check_number("Shadow", "rtol", self.rtol, minimum=0.0, optional=True)
         _check_number("Shadow", "atol", self.atol, minimum=0.0, optional=True)
         _check_number("Shadow", "queue_size", self.queue_size, minimum=1, integer=True)
+        _check_compare(self.compare)
 
     def countdown(self, canary_left: int) -> int:
         """Calls of a graph to serve unchecked before its next check is due."""

@@ -13,7 +13,7 @@ import dataclasses
 import itertools
 import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +27,9 @@ __all__ = [
     "TensorFigures",
     "compare",
     "default_tolerances",
+    "expand_mask",
+    "locate",
+    "mask_alignments",
     "verdict",
 ]
 
@@ -80,6 +83,7 @@ class Comparison:
     max_rel: float
     reason: str | None
     leaves: int = 0
+    where: Mapping[str, Any] | None = None  # where the first breaching tensor differs
 
 
 def default_tolerances(dtype: torch.dtype, *, tf32: bool = False) -> tuple[float, float]:
@@ -98,8 +102,16 @@ def default_tolerances(dtype: torch.dtype, *, tf32: bool = False) -> tuple[float
     return (max(2.0 * eps, 1e-4), 1e-7)
 
 
+Masks = Callable[[], Mapping[str, torch.Tensor]]
+
+
 def compare(
-    actual: object, expected: object, *, rtol: float | None = None, atol: float | None = None
+    actual: object,
+    expected: object,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+    masks: Masks | None = None,
 ) -> Comparison:
     """Compare ``actual`` (the compiled output) with ``expected`` (eager's), nested to any
     depth; ``docs/tolerances.md`` says what counts as a breach.
@@ -108,8 +120,11 @@ def compare(
     float32 takes the TF32 or bf16 figures where its matmuls run so, a Python float the
     float32 figures). Never raises on odd outputs: what cannot be compared faithfully is a
     breach with a reason. All per-tensor figures are read back with one sync per device.
+    A tensor that breaches on its values is located (:func:`locate`); ``masks``, called
+    only then, gives the call's mask-like inputs by name, to say whether the differences
+    line up with one.
     """
-    walk = _Walk(rtol, atol)
+    walk = _Walk(rtol, atol, masks)
     with torch.no_grad():
         try:
             walk.visit(actual, expected, "out")
@@ -139,8 +154,10 @@ class _Leaf:
 class _Walk:
     """Walks two output structures side by side and collects breaches and figures."""
 
-    def __init__(self, rtol: float | None, atol: float | None) -> None:
+    def __init__(self, rtol: float | None, atol: float | None, masks: Masks | None) -> None:
         self.rtol, self.atol = rtol, atol
+        self.masks = masks
+        self.where: dict[str, Any] | None = None
         self.breaches: list[tuple[int, str]] = []
         self.pending: list[_Leaf] = []
         self.order = 0
@@ -169,7 +186,10 @@ class _Walk:
         reason = min(self.breaches, key=lambda item: item[0])[1]  # the first in the walk
         if more := len(self.breaches) - 1:
             reason += f" (and {more} more breach{'es' if more > 1 else ''})"
-        return Comparison(False, self.max_abs, self.max_rel, reason, self.leaves)
+        where = None
+        if self.where is not None:
+            where = {k: v for k, v in self.where.items() if k != "order"}
+        return Comparison(False, self.max_abs, self.max_rel, reason, self.leaves, where)
 
     def visit(self, actual: object, expected: object, path: str) -> None:
         self.order += 1
@@ -327,7 +347,8 @@ class _Walk:
         if leaf.exact:
             wrong = int(got[0])
             if wrong:
-                self.breach(path, f"{wrong} of {n} elements differ ({leaf.label})", order=order)
+                counted = f"{wrong} of {n} elements differ ({leaf.label})"
+                self.breach(path, counted + self.locate(leaf, counted=True), order=order)
             return
         d_norm, e_norm, a_norm, d_lo, d_hi, e_lo, e_hi = got
         figures = TensorFigures(d_norm, e_norm, a_norm, max(-d_lo, d_hi), max(-e_lo, e_hi), n)
@@ -335,9 +356,12 @@ class _Walk:
             (d_norm == 0 and figures.d_max > 0) or (e_norm == 0 and figures.e_max > 0)
         ):  # NaN/Inf somewhere, or squares that overflowed or underflowed
             counts, figures = _slow_figures(leaf)
+            located = False
             for count, what in zip(counts, _NON_FINITE, strict=True):
                 if count:
-                    self.breach(path, f"{what} ({count} of {n} elements)", order=order)
+                    at = "" if located else self.locate(leaf)
+                    located = True
+                    self.breach(path, f"{what} ({count} of {n} elements){at}", order=order)
             if any(counts):
                 self.figures(figures.d_max, math.inf)
                 return
@@ -346,7 +370,21 @@ class _Walk:
         rel, why = verdict(figures, leaf.rtol, leaf.atol, leaf.label)
         self.figures(figures.d_max, rel)
         if why is not None:
-            self.breach(path, why, order=order, numeric=True)
+            self.breach(path, why + self.locate(leaf), order=order, numeric=True)
+
+    def locate(self, leaf: _Leaf, *, counted: bool = False) -> str:
+        """Where a breaching tensor differs, as text for its reason (the first is kept in
+        ``where``); never raises: a tensor that cannot be located is not."""
+        try:
+            masks = self.masks() if self.masks is not None else {}
+            found = locate(
+                leaf.actual, leaf.expected, leaf.rtol, leaf.atol, masks, exact=leaf.exact
+            )
+        except Exception:
+            return ""
+        if self.where is None or leaf.order < self.where["order"]:
+            self.where = {"order": leaf.order, "path": leaf.path, **found}
+        return _where_text(found, counted=counted)
 
 
 @dataclass(frozen=True, slots=True)
@@ -424,6 +462,115 @@ def verdict(
         peak = _fig(f.d_max / f.e_max)
         return rel, f"peak error {peak} of the largest magnitude > tolerance {_fig(allowed)}{more}"
     return rel, None
+
+
+_MAX_ALIGNMENTS = 24  # ways a mask's dims may line up with an output's, tried at most
+
+
+def locate(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    rtol: float,
+    atol: float,
+    masks: Mapping[str, torch.Tensor] | None = None,
+    *,
+    exact: bool = False,
+) -> dict[str, Any]:
+    """Where two dense tensors of one shape differ: ``differ`` (elements whose difference
+    exceeds ``atol + rtol·max|expected|``; any difference with ``exact``) of ``elements``,
+    the ``worst_index`` and its ``worst_diff`` (``inf`` where only one side is NaN or
+    Inf), its ``worst_share`` of the largest magnitude, and, when every differing element
+    lies where one of ``masks`` (bool or 0/1 inputs by name) is set, or where it is not,
+    ``mask`` (its name), ``mask_value`` (``True``/``False``, 1/0) and ``mask_dims`` (the
+    output dim each mask dim lines up with). Figures and indices only, never values."""
+    with torch.no_grad():
+        if actual.is_complex():
+            actual, expected = torch.view_as_real(actual), torch.view_as_real(expected)
+        shape = tuple(expected.shape)
+        if exact:
+            diff = torch.ne(actual, expected).to(torch.float32)
+            differ = diff > 0
+            e_max = 0.0
+        else:
+            work = torch.float64 if expected.dtype == torch.float64 else torch.float32
+            a, e = actual.to(work), expected.to(work)
+            diff = (a - e).abs()
+            same = (a == e) | (torch.isnan(a) & torch.isnan(e))  # equal infinities, NaNs
+            diff = torch.where(same, 0.0, torch.nan_to_num(diff, nan=math.inf))
+            finite = torch.isfinite(e)
+            e_max = float(torch.where(finite, e.abs(), 0.0).max()) if e.numel() else 0.0
+            differ = diff > atol + rtol * e_max
+        count = int(differ.sum())
+        worst = int(diff.reshape(-1).argmax())
+        worst_diff = float(diff.reshape(-1)[worst])
+        found: dict[str, Any] = {
+            "differ": count,
+            "elements": diff.numel(),
+            "worst_index": [int(i) for i in torch.unravel_index(torch.tensor(worst), shape)],
+            "worst_diff": worst_diff,
+        }
+        if not exact and e_max > 0 and math.isfinite(worst_diff):
+            found["worst_share"] = worst_diff / e_max
+        if count:
+            found.update(_mask_alignment(differ, masks or {}))
+    return found
+
+
+def _mask_alignment(differ: torch.Tensor, masks: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The first mask that every differing position lies inside (or outside) of."""
+    for name, mask in masks.items():
+        if mask.device != differ.device or mask.ndim == 0 or mask.ndim > differ.ndim:
+            continue
+        set_ = mask != 0 if mask.dtype != torch.bool else mask
+        for dims in mask_alignments(tuple(mask.shape), tuple(differ.shape)):
+            where = expand_mask(set_, dims, tuple(differ.shape))
+            for value, inside in ((True, where), (False, ~where)):
+                if not bool((differ & ~inside).any()) and not bool(inside.all()):
+                    shown: bool | int = value if mask.dtype == torch.bool else int(value)
+                    return {"mask": name, "mask_value": shown, "mask_dims": list(dims)}
+    return {}
+
+
+def mask_alignments(mask: tuple[int, ...], out: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """The ways a mask of shape ``mask`` lines up with an output of shape ``out``: for each
+    mask dim, the output dim of the same size it stands for; the leading dims first."""
+    found = []
+    for dims in itertools.permutations(range(len(out)), len(mask)):
+        if all(out[d] == n for d, n in zip(dims, mask, strict=True)):
+            found.append(dims)
+            if len(found) >= _MAX_ALIGNMENTS:
+                break
+    return found
+
+
+def expand_mask(mask: torch.Tensor, dims: Sequence[int], out: tuple[int, ...]) -> torch.Tensor:
+    """``mask`` broadcast to the shape ``out``, mask dim ``i`` standing for ``dims[i]``."""
+    order = sorted(range(len(dims)), key=lambda i: dims[i])
+    shape = [1] * len(out)
+    for i in order:
+        shape[dims[i]] = out[dims[i]]
+    return mask.permute(order).reshape(shape).expand(out)
+
+
+def _where_text(found: Mapping[str, Any], *, counted: bool) -> str:
+    """``"; 12 of 96 elements differ, worst at [1, 4, 0] by 0.8 of the largest magnitude;
+    they differ only where src_key_padding_mask is True (...)"``: for a reason
+    (a share of the largest magnitude, never a difference in the tensor's own units)."""
+    index = ", ".join(str(i) for i in found["worst_index"])
+    if counted:  # exact: every difference counts the same
+        text = f", the first at [{index}]"
+    else:
+        text = f"; {found['differ']} of {found['elements']} elements differ, worst at [{index}]"
+        share = found.get("worst_share")
+        text += f" by {_fig(share)} of the largest magnitude" if share is not None else ""
+    if "mask" in found:
+        name, value, dims = found["mask"], found["mask_value"], found["mask_dims"]
+        text += f"; they differ only where {name} is {value}"
+        declared = f"{name!r}" if value in (True, 1) else f"{name!r}, equals={value!r}"
+        if dims != list(range(len(dims))):
+            declared += f", dims={tuple(dims)!r}"
+        text += f" (don't-care there? Shadow(compare=ignore_where({declared})))"
+    return text
 
 
 def _fast_figures(leaf: _Leaf) -> torch.Tensor:

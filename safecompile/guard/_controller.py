@@ -219,6 +219,7 @@ class Controller:
             "stats": self.stats().to_dict(),
             "graphs": [g.to_dict() for g in e.table],
             "speed": e.speed.to_dict() if e.speed is not None else None,
+            "shadow": e.shadow.describe(),
             "buckets": e.buckets.report() if e.buckets is not None else {},
             "bucketing": e.buckets.summary() if e.buckets is not None else None,
             "events": [event.to_dict() for event in self.events()],

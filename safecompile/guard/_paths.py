@@ -37,7 +37,6 @@ from safecompile.base import killswitch as ks
 from safecompile.base import torchcompat
 from safecompile.base.errors import ConfigError
 from safecompile.base.model import EventKind, Reason
-from safecompile.checks.compare import compare
 from safecompile.checks.snapshot import Snapshot
 from safecompile.checks.speed import Step
 from safecompile.observe.log import Once
@@ -629,8 +628,7 @@ def _verify_bucket(e: Engine, call: Call, padded_out: Any) -> Any:
     except (BucketError, ValueError) as exc:
         reject_bucket(e, entry, f"outputs cannot be cut back: {exc}")
         return _served_eager(call, eager_out, "bucket")
-    rtol, atol = e.shadow.tolerances()
-    result = compare(out, eager_out, rtol=rtol, atol=atol)
+    result = e.shadow.compare_outputs(out, eager_out, call.args, call.kwargs)
     e.shadow.note(first, entry.label, result)
     for graph in due or ():
         e.table.checked(graph)
@@ -647,7 +645,7 @@ def _verify_bucket(e: Engine, call: Call, padded_out: Any) -> Any:
     with torch.no_grad():
         padded_args, padded_kwargs = bucketer.pad(plan, call.args, call.kwargs)
         padded_eager = bucketer.unpad(plan, e.fn(*padded_args, **padded_kwargs), cuts)
-    padding = compare(padded_eager, eager_out, rtol=rtol, atol=atol)
+    padding = e.shadow.compare_outputs(padded_eager, eager_out, call.args, call.kwargs)
     served = "bucket"
     if not padding.ok:
         why = f"padding changed the result: {padding.reason}"

@@ -12,6 +12,9 @@ paths' times feed only the A/B figures in ``stats()`` (eager runs on warm caches
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import inspect
 import queue
 import threading
 import time
@@ -21,10 +24,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from safecompile.base.errors import ConfigError
 from safecompile.base.model import Event, EventKind
-from safecompile.base.policies import Shadow
+from safecompile.base.policies import IgnoreWhere, Shadow, compare_label
 from safecompile.base.torchcompat import pytree
-from safecompile.checks.compare import Comparison, compare
+from safecompile.checks.compare import Comparison, compare, expand_mask
 from safecompile.checks.timing import LatencyWindow
 from safecompile.observe.log import Once
 
@@ -92,6 +96,8 @@ class ShadowRunner:
         self._clock = clock
         self._lock = threading.Lock()
         self._c = _Counters()
+        self._signature = _signature(fn)
+        _check_declared(policy, fn, self._signature)
 
     def check(
         self,
@@ -122,7 +128,7 @@ class ShadowRunner:
         eager_out, eager_s = self._eager(args, kwargs)
         try:
             compiled_out = after.compiled_value(out) if after is not None else out
-            result = self._compare(compiled_out, eager_out)
+            result = self.compare_outputs(compiled_out, eager_out, args, kwargs)
             if after is not None:
                 after = snapshot.settle(after)
                 if result.ok:
@@ -188,9 +194,104 @@ class ShadowRunner:
         with self._lock:
             self._c = _Counters()
 
-    def _compare(self, out: Any, eager_out: Any) -> Comparison:
+    def describe(self) -> dict[str, Any] | None:
+        """The shadow policy as ``report()`` shows it (the declared comparison by name)."""
+        p = self.policy
+        if p is None:
+            return None
+        return {
+            "canary": p.canary,
+            "every": p.every,
+            "mode": p.mode,
+            "rtol": p.rtol,
+            "atol": p.atol,
+            "compare": compare_label(p.compare),
+        }
+
+    def compare_outputs(
+        self, out: Any, eager_out: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Comparison:
+        """Compare a compiled output with eager's for the call ``(args, kwargs)``, as the
+        policy declares (``Shadow(compare=...)``); a breach says where they differ."""
+        masks = functools.partial(self._mask_inputs, args, kwargs)
+        declared = self.policy.compare if self.policy is not None else None
+        if isinstance(declared, IgnoreWhere):
+            return self._compare_ignoring(declared, out, eager_out, args, kwargs, masks)
+        result = self._compare(out, eager_out, masks=masks)
+        if declared is None:
+            return result
+        label = compare_label(declared)
+        if bool(declared(eager_out, out, args, kwargs)):
+            return dataclasses.replace(result, ok=True, reason=None, where=None)
+        why = f"Shadow(compare={label}) returned False"
+        if result.reason is not None:
+            why += f"; compared whole: {result.reason}"
+        return dataclasses.replace(result, ok=False, reason=why)
+
+    def _compare_ignoring(
+        self,
+        declared: IgnoreWhere,
+        out: Any,
+        eager_out: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        masks: Callable[[], dict[str, torch.Tensor]],
+    ) -> Comparison:
+        """Compare with the positions ``declared`` ignores set to 0 on both sides."""
+        mask = self._argument(declared.arg, args, kwargs)
+        if not isinstance(mask, torch.Tensor):  # not passed (None): nothing is ignored
+            return self._compare(out, eager_out, masks=masks)
+        with torch.no_grad():
+            ignored = mask == declared.equals
+            fits = [0]
+            out = _ignore(out, ignored, declared.dims, fits)
+            eager_out = _ignore(eager_out, ignored, declared.dims, [0])
+        result = self._compare(out, eager_out, masks=masks)
+        if not fits[0] and result.reason is not None:
+            shape = tuple(mask.shape)
+            why = f"{result.reason} ({declared.label}: its mask {shape} lines up with no output)"
+            result = dataclasses.replace(result, reason=why)
+        return result
+
+    def _argument(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The value of parameter ``name`` in this call (``None`` if not passed)."""
+        if name in kwargs:
+            return kwargs[name]
+        if self._signature is None:
+            return None
+        try:
+            bound = self._signature.bind_partial(*args, **kwargs)
+        except TypeError:
+            return None
+        return bound.arguments.get(name)
+
+    def _mask_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> dict[str, torch.Tensor]:
+        """The call's bool and 0/1 tensors by parameter name (to say whether a breach lines
+        up with one); read only when a check breaches."""
+        named: dict[str, Any] = {}
+        if self._signature is not None:
+            try:
+                named = dict(self._signature.bind_partial(*args, **kwargs).arguments)
+            except TypeError:
+                named = {}
+        if not named:
+            named = {f"args[{i}]": a for i, a in enumerate(args)} | dict(kwargs)
+        found = {}
+        for name, value in named.items():
+            if isinstance(value, torch.Tensor) and _is_mask(value):
+                found[name] = value
+        return found
+
+    def _compare(
+        self,
+        out: Any,
+        eager_out: Any,
+        masks: Callable[[], dict[str, torch.Tensor]] | None = None,
+    ) -> Comparison:
         rtol, atol = self.tolerances()
-        return compare(out, eager_out, rtol=rtol, atol=atol)
+        return compare(out, eager_out, rtol=rtol, atol=atol, masks=masks)
 
     def _compare_state(self, after: After) -> Comparison:
         tensors = self._compare(*after.tensor_states())
@@ -237,7 +338,10 @@ class ShadowRunner:
         )
         if not result.ok:
             figures = {"max_abs_diff": result.max_abs, "max_rel_diff": result.max_rel}
-            self._say(EventKind.BREACH, graph, bucket=where, message=result.reason, **figures)
+            extra = {"differ": dict(result.where)} if result.where is not None else {}
+            self._say(
+                EventKind.BREACH, graph, bucket=where, message=result.reason, extra=extra, **figures
+            )
 
     def skip_graph(self, graph: GraphRecord | None, why: str) -> None:
         """Count a skipped check, and say once per graph and reason why it was skipped."""
@@ -248,9 +352,15 @@ class ShadowRunner:
             message = f"shadow checks skipped: {why}"
             self._say(EventKind.SHADOW_SKIPPED, graph, bucket=_where(graph), message=message)
 
-    def _say(self, kind: EventKind, graph: GraphRecord | None, **fields: Any) -> None:
+    def _say(
+        self,
+        kind: EventKind,
+        graph: GraphRecord | None,
+        extra: dict[str, Any] | None = None,
+        **fields: Any,
+    ) -> None:
         details = {"graph": graph.id} if graph is not None else {}
-        self._record(Event(kind=kind, time=time.time(), details=details, **fields))
+        self._record(Event(kind=kind, time=time.time(), details=details | (extra or {}), **fields))
 
     def _submit(
         self,
@@ -283,7 +393,7 @@ class ShadowRunner:
             try:
                 with torch.no_grad():
                     eager_out, eager_s = self._eager(*inputs)
-                result = self._compare(out, eager_out)
+                result = self.compare_outputs(out, eager_out, *inputs)
                 self.note(graph, None, result, compiled_s, eager_s, canary)
                 if not result.ok:
                     reason = result.reason or "outputs differ"
@@ -295,6 +405,69 @@ class ShadowRunner:
                     self._c.pending -= 1
 
         _WORKER.submit(job)
+
+
+def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
+    target = fn.forward if isinstance(fn, torch.nn.Module) else fn
+    try:
+        return inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+
+
+def _check_declared(
+    policy: Shadow | None, fn: Callable[..., Any], signature: inspect.Signature | None
+) -> None:
+    """At decoration: ``ignore_where(arg)`` names a parameter of the function."""
+    declared = policy.compare if policy is not None else None
+    if not isinstance(declared, IgnoreWhere) or signature is None:
+        return
+    params = signature.parameters
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    param = params.get(declared.arg)
+    if param is not None and param.kind not in variadic:
+        return
+    if param is None and any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return  # it may come as a keyword
+    close = difflib.get_close_matches(declared.arg, list(params), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    name = getattr(fn, "__qualname__", type(fn).__qualname__)
+    raise ConfigError(
+        f"Shadow(compare={declared.label}) names {declared.arg!r}, which is not a parameter "
+        f"of {name}{signature}{hint}"
+    )
+
+
+def _is_mask(t: torch.Tensor) -> bool:
+    """A bool tensor, or an integer or float one holding only 0s and 1s."""
+    if t.dtype == torch.bool:
+        return t.numel() > 1
+    if t.is_complex() or t.numel() <= 1 or t.layout != torch.strided:
+        return False
+    with torch.no_grad():
+        return bool(((t == 0) | (t == 1)).all())
+
+
+def _ignore(out: Any, ignored: torch.Tensor, dims: tuple[int, ...] | None, fits: list[int]) -> Any:
+    """``out`` with the positions ``ignored`` marks set to 0 in each tensor it lines up
+    with (``fits[0]`` counts them); others unchanged."""
+    k = ignored.ndim
+
+    def one(t: torch.Tensor) -> torch.Tensor:
+        shape = tuple(t.shape)
+        lined = dims if dims is not None else tuple(range(k))
+        if (
+            k == 0
+            or len(lined) != k
+            or max(lined) >= len(shape)
+            or any(shape[d] != n for d, n in zip(lined, ignored.shape, strict=True))
+        ):
+            return t
+        fits[0] += 1
+        where = expand_mask(ignored.to(t.device), lined, shape)
+        return t.masked_fill(where, 0)
+
+    return pytree.tree_map_only(torch.Tensor, one, out)
 
 
 def sync_device(out: Any) -> None:

@@ -17,7 +17,6 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Literal, TypeVar
 
 import torch
-import torch.nn.functional as F
 
 from safecompile.base import torchcompat
 from safecompile.base.errors import ConfigError
@@ -635,7 +634,8 @@ class Bucketer:
                 )
             shape = tuple(tensor.shape)
             pad = _pad_widths(shape, norm[param.name], sizes)
-            targets.append(_Target(param.name, where, shape, pad, value))
+            if pad:  # else already its bucket's size: passed as it is, not copied
+                targets.append(_Target(param.name, where, shape, pad, value))
         return tuple(targets), None
 
     def _entries(
@@ -663,20 +663,31 @@ class Bucketer:
     def pad(
         self, plan: Plan, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The arguments with bucketed dims padded up to their axes' ``plan.sizes`` (a copy:
-        autograd flows back through it); other arguments are passed through untouched."""
-        if not plan.targets:
-            return args, kwargs if isinstance(kwargs, dict) else dict(kwargs)
-        padded = []
+        """The arguments with bucketed dims padded up to their axes' ``plan.sizes`` (one
+        new tensor each, written once by ``constant_pad_nd``: autograd flows back through
+        it); other arguments, and tensors already at their bucket's size, are passed
+        through untouched. ``kwargs`` is returned as it is when no keyword is padded."""
+        new_args: list[Any] | None = None
+        new_kwargs = kwargs if isinstance(kwargs, dict) else dict(kwargs)
+        copied = new_kwargs is not kwargs
         for t in plan.targets:
-            tensor = args[t.where] if isinstance(t.where, int) else kwargs[t.where]
+            where = t.where
+            tensor = args[where] if isinstance(where, int) else kwargs[where]
             if not isinstance(tensor, _Tensor) or tensor.shape != t.shape:
                 raise PadError(
                     f"{t.name} does not match the plan: expected shape {t.shape}, got "
                     f"{getattr(tensor, 'shape', type(tensor).__name__)}"
                 )
-            padded.append((t.where, F.pad(tensor, t.pad, value=t.value)))
-        return _replaced(args, kwargs, padded)
+            padded = _constant_pad(tensor, t.pad, t.value)
+            if isinstance(where, int):
+                if new_args is None:
+                    new_args = list(args)
+                new_args[where] = padded
+            else:
+                if not copied:
+                    new_kwargs, copied = dict(kwargs), True
+                new_kwargs[where] = padded
+        return (tuple(new_args) if new_args is not None else args), new_kwargs
 
     def warmup_lengths(self, axis: int = 0) -> tuple[int, ...]:
         """One length per size of ``axis``: ``size - 1``, padded by one so the bucket's
@@ -956,6 +967,12 @@ def _pad_widths(shape: tuple[int, ...], dims: _Dims, sizes: tuple[int, ...]) -> 
     while pad and pad[-1] == 0 and pad[-2] == 0:
         del pad[-2:]
     return tuple(pad)
+
+
+# F.pad's constant mode without its Python wrapper (mode and torch-function checks).
+_constant_pad: Callable[[torch.Tensor, tuple[int, ...], float], torch.Tensor] = (
+    torch.constant_pad_nd
+)
 
 
 def _lookup_table(sizes: tuple[int, ...]) -> list[int] | None:
