@@ -28,6 +28,7 @@ import torch
 from safecompile.base import torchcompat
 from safecompile.base.options import CompilerFn
 from safecompile.base.policies import FOREVER, Shadow
+from safecompile.checks.compare import Comparison, compare
 from safecompile.observe.log import torch_missing
 from safecompile.observe.source import graph_breaks_of
 
@@ -37,6 +38,7 @@ __all__ = [
     "Call",
     "CallSlot",
     "Effect",
+    "FirstRun",
     "GraphFacts",
     "GraphHooks",
     "GraphRecord",
@@ -183,6 +185,11 @@ class GraphTable:
         statuses = [record.check() for record in self]
         return {status: statuses.count(status) for status in ("checked", "unchecked", "not_yet")}
 
+    def tolerances(self) -> tuple[float | None, float | None]:
+        """The shadow policy's ``(rtol, atol)`` (``None``: the per-dtype defaults)."""
+        shadow = self._shadow
+        return (shadow.rtol, shadow.atol) if shadow is not None else (None, None)
+
     def countdown(self, record: GraphRecord) -> int:
         """The record's next countdown, as the shadow policy decides."""
         if self._shadow is None or record.unchecked is not None or not record.compiled:
@@ -237,6 +244,7 @@ class GraphHooks:
     clock: Callable[[], float]
     # (graph inputs as text, perf_counter at start) -> what to call when it ends
     announce: Callable[[str, float], Callable[[], None]]
+    cudagraphs: bool = False  # compiled graphs run under CUDA graphs (their pool outputs)
 
 
 class GuardBackend:
@@ -245,7 +253,7 @@ class GuardBackend:
     def __init__(self, compiler: CompilerFn, hooks: GraphHooks, label: str) -> None:
         self._compiler = compiler
         self._hooks = hooks
-        self._made: dict[tuple[Any, ...], tuple[GraphRecord, Callable[..., Any]]] = {}
+        self._made: dict[tuple[Any, ...], tuple[GraphRecord, Callable[..., Any], _Pending]] = {}
         # every code object it made graphs for: the function, and its resume functions
         self._codes: weakref.WeakSet[types.CodeType] = weakref.WeakSet()
         self.__name__ = f"safecompile[{label}]"
@@ -272,10 +280,13 @@ class GuardBackend:
             if made is not None:
                 # Threads racing on one new input signature each made dynamo trace it;
                 # torch does not de-duplicate: the first compile serves them all.
-                return _instrument(*made, hooks)
+                return _instrument(made[0], made[1], hooks, made[2])
             # the recompile limit counts the graphs compiled per code object
             compiled = sum(1 for r in hooks.table if r.compiled and r.code == code) < hooks.limit
+            pending = _Pending(None)
             if compiled:
+                if PROTECT_FIRST_RUNS:  # its traced code, kept before the compiler sees it
+                    pending = _Pending(_traced_copy(gm), random=random_op(gm) is not None)
                 # Compile the backward graph now, not lazily at .backward(): a failure
                 # then surfaces here, on the guarded call, where eager can answer it.
                 with _eager_backward():
@@ -287,15 +298,16 @@ class GuardBackend:
             record.breaks = graph_breaks_of(gm, include_resumed=True)
             if frame is not None:  # as its running frame will show it
                 record.frame = _frame_key(frame)
-            self._made[twin] = (record, inner)
+            record.prep = pending.traced is not None  # its first run leaves the common path
+            self._made[twin] = (record, inner, pending)
             hooks.on_graph(record, gm)
-        return _instrument(record, inner, hooks)
+        return _instrument(record, inner, hooks, pending)
 
     def adopt(self, inner: Callable[..., Any], facts: GraphFacts) -> Callable[..., Any]:
         """A graph an earlier process saved, loaded instead of traced: recorded and wrapped
         like one made here (checks, counts, timing)."""
         record = self._hooks.table.add(facts, compiled=True, bucket=None)
-        return _instrument(record, inner, self._hooks)
+        return _instrument(record, inner, self._hooks, _Pending(None))
 
 
 def read_facts(gm: torch.fx.GraphModule) -> GraphFacts:
@@ -316,13 +328,17 @@ def read_facts(gm: torch.fx.GraphModule) -> GraphFacts:
 
 
 def _instrument(
-    record: GraphRecord, inner: Callable[..., Any], hooks: GraphHooks
+    record: GraphRecord, inner: Callable[..., Any], hooks: GraphHooks, pending: _Pending
 ) -> Callable[..., Any]:
-    """The compiled graph as torch will run it: first note the run in the caller's slot."""
+    """The compiled graph as torch will run it: first note the run in the caller's slot.
+    Its first run is protected (:func:`_first_run`) while ``pending`` holds its traced code."""
     inner = torchcompat.undisabled(inner)  # dynamo disables around this wrapper
+    if hooks.cudagraphs:
+        inner = _launched_live(inner)
     local = hooks.local
     snapshot = hooks.snapshot
     clock = hooks.clock
+    table = hooks.table
 
     def run(*args: Any) -> Any:
         try:
@@ -352,7 +368,10 @@ def _instrument(
                 slot.due.append(record)
         else:
             record.countdown -= 1
-        return inner(*args)
+        traced = pending.traced
+        if traced is None:
+            return inner(*args)
+        return _protected(record, inner, traced, pending, table, args, slot)
 
     run.__name__ = f"safecompile_graph_{record.id}"
     if record.compiled:
@@ -367,6 +386,176 @@ def _instrument(
 
     limited.__name__ = run.__name__
     return limited
+
+
+def _launched_live(inner: Callable[..., Any]) -> Callable[..., Any]:
+    """Under CUDA graphs: the compiled graph, run only on tensors whose memory torch still
+    lets be read. torch frees a CUDA-graph output that a later replay overwrote and marks
+    its storage so that reading its address raises (``RuntimeError: accessing tensor
+    output of CUDAGraphs that has been overwritten``); Triton's kernel launcher reads each
+    argument's address with ``data_ptr()`` and does not check for that error: the process
+    dies in the launch (docs/design.md, "Known limits"). Reading the addresses first
+    raises torch's error on our path instead, where eager answers or raises it too.
+    Parameters are left out: they are never a graph's output."""
+
+    def launched(*args: Any) -> Any:
+        for a in args:
+            if type(a) is torch.Tensor:
+                a.data_ptr()  # raises torch's error for an output overwritten since
+        return inner(*args)
+
+    return launched
+
+
+# ---------------------------------------------------------------- a graph's first run
+
+PROTECT_FIRST_RUNS = True
+"""Whether a compiled graph's first run is protected (:func:`_first_run`). Only
+``bench/first_call.py`` turns it off, to measure what the protection costs."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A compiled graph whose first run is still to come: its traced code (``None``: not
+    protected, or its effects are known) and whether it draws random numbers."""
+
+    traced: Callable[..., Any] | None
+    random: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class FirstRun:
+    """What a graph's protected first run showed (:func:`_first_run`): ``seen`` is its
+    comparison with eager (``None``: not compared: random numbers, or never checked)."""
+
+    graph: GraphRecord
+    seen: Comparison | None
+
+
+def _protected(
+    record: GraphRecord,
+    inner: Callable[..., Any],
+    traced: Callable[..., Any],
+    pending: _Pending,
+    table: GraphTable,
+    args: tuple[Any, ...],
+    slot: CallSlot,
+) -> Any:
+    """The graph wrapper's part of a first run: run it protected, and leave what it
+    showed in the caller's slot for :func:`~._paths.finish`."""
+    out, seen = _first_run(record, inner, traced, args, table, random=pending.random)
+    if seen is None or seen.ok:
+        pending.traced = None  # its effects are known: later runs take the common path
+        record.prep = False
+    first_run = FirstRun(record, seen)
+    slot.fresh = [first_run] if slot.fresh is None else [*slot.fresh, first_run]
+    if slot.due is None:
+        slot.due = []  # the hot path hands the call to finish(), which reads it
+    return out
+
+
+def _first_run(
+    record: GraphRecord,
+    inner: Callable[..., Any],
+    traced: Callable[..., Any],
+    args: tuple[Any, ...],
+    table: GraphTable,
+    *,
+    random: bool,
+) -> tuple[Any, Comparison | None]:
+    """A compiled graph's first run, before anything is known of what its code writes:
+    the compiled code runs on copies of the tensors it is given, its traced graph eagerly
+    on the caller's own, and the caller gets the eager run's outputs (its values, views
+    of its inputs, gradients, in-place updates made once). The compiled run's outputs,
+    and what it left in the copies, are compared with the eager run's (shadow checks on
+    or off, like a bucket's padding; not for a graph that draws random numbers or is
+    never checked). Parameters are copied only for a graph that updates tensors in place (a
+    model's weights twice may not fit); a write into one is seen by its version."""
+    copies, pairs, params = _copies(args, parameters=record.mutates)
+    with _rng_kept(args) if random else contextlib.nullcontext():
+        compiled_out = inner(*copies)
+    wrote = any(c._version != v for _, c, v in pairs) or any(p._version != v for p, v in params)
+    written = [p for p, v in params if p._version != v]
+    eager_out = traced(*args)
+    if wrote:
+        record.mutates = True  # its later checks copy the state first
+    if record.unchecked is not None or random:
+        return eager_out, None
+    rtol, atol = table.tolerances()
+    seen = compare(_outputs(compiled_out), _outputs(eager_out), rtol=rtol, atol=atol)
+    if seen.ok and pairs:
+        state = compare([c for _, c, _ in pairs], [a for a, _, _ in pairs], rtol=rtol, atol=atol)
+        if not state.ok:
+            why = f"its inputs after the run differ from eager's: {state.reason}"
+            seen = Comparison(False, state.max_abs, state.max_rel, why, state.leaves)
+    if seen.ok and written:
+        why = f"it wrote into {len(written)} parameter(s) that eager leaves as they are"
+        seen = Comparison(False, 0.0, float("inf"), why, seen.leaves)
+    return eager_out, seen
+
+
+def _outputs(out: Any) -> Any:
+    """A graph's outputs as one type: a compiled graph may give a list where its traced
+    code gives a tuple."""
+    return tuple(out) if isinstance(out, list | tuple) else out
+
+
+def _copies(
+    args: tuple[Any, ...], *, parameters: bool
+) -> tuple[list[Any], list[tuple[torch.Tensor, torch.Tensor, int]], list[tuple[torch.Tensor, int]]]:
+    """The graph's arguments with each tensor replaced by a copy: its storage copied
+    (once for tensors sharing one), viewed with the same offset, sizes and strides, so
+    aliasing and layout are what the compiled code was made for. Also the (tensor, copy,
+    copy's version) pairs, and the parameters left uncopied with their versions."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    out: list[Any] = []
+    pairs: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+    params: list[tuple[torch.Tensor, int]] = []
+    with torch.no_grad():
+        for a in args:
+            if not isinstance(a, torch.Tensor):
+                out.append(a)
+                continue
+            if isinstance(a, torch.nn.Parameter) and not parameters:
+                params.append((a, a._version))
+                out.append(a)
+                continue
+            c = _copy(a, storages)
+            pairs.append((a, c, c._version))
+            out.append(c)
+    return out, pairs, params
+
+
+def _copy(t: torch.Tensor, storages: dict[int, torch.UntypedStorage]) -> torch.Tensor:
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
+        return t.detach().clone()  # a subclass, a sparse tensor: its own clone
+    storage = t.untyped_storage()
+    key = storage._cdata
+    copied = storages.get(key)
+    if copied is None:
+        copied = storages[key] = storage.clone()  # type: ignore[no-untyped-call]
+    c = torch.empty(0, dtype=t.dtype, device=t.device)
+    return c.set_(copied, t.storage_offset(), t.size(), t.stride())
+
+
+@contextlib.contextmanager
+def _rng_kept(args: tuple[Any, ...]) -> Iterator[None]:
+    """Random state put back after the block: a random graph's eager run then draws
+    what eager would have drawn."""
+    devices = sorted(
+        {a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda}
+    )
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+def _traced_copy(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+    """The graph's traced code, to run eagerly: its own copy of the graph (a compiler may
+    rewrite the one it is handed), sharing the module's attributes."""
+    graph = torch.fx.Graph()
+    graph._codegen = gm.graph._codegen
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph).forward
 
 
 # ---------------------------------------------------------------- compile timing
