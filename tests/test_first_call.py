@@ -341,3 +341,35 @@ def test_inductors_first_run_on_copies_keeps_eagers_input_and_update() -> None:
         torch.testing.assert_close(total[1:], n * x.t()[0])
         torch.testing.assert_close(out, (2 * n * x.t()[0]).sum())
     assert guarded.safecompile.stats().rollbacks == 0
+
+
+def test_the_inputs_a_graph_writes_are_read_from_its_code() -> None:
+    """An in-place op on an input or a view of one counts; one on a tensor the graph made
+    does not (an activation's ``relu_``): a parameter is copied only when written."""
+
+    def f(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        y = torch.relu_(x @ w)
+        x[0].add_(1)
+        b.t().mul_(2)
+        return y
+
+    gm = torch.fx.symbolic_trace(f)
+    assert graphs._written_inputs(gm) == frozenset({0, 2})
+    assert graphs._written_inputs(torch.fx.symbolic_trace(sin_and_view)) == frozenset()
+
+
+def test_a_parameter_the_users_code_updates_is_updated_once() -> None:
+    """An optimizer-like step: the parameter it updates is copied for the compiled run,
+    and the eager run updates the caller's once."""
+
+    def sgd(p: torch.nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            p.sub_(0.5 * grad)
+        return p.sum()
+
+    p = torch.nn.Parameter(torch.ones(4))
+    guarded = safe_compile(sgd, backend="aot_eager", shadow=None)
+    for n in (1, 2):
+        guarded(p, torch.ones(4))
+        torch.testing.assert_close(p.detach(), torch.full((4,), 1 - 0.5 * n))
+    assert guarded.safecompile.stats().rollbacks == 0

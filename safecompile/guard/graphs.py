@@ -286,7 +286,9 @@ class GuardBackend:
             pending = _Pending(None)
             if compiled:
                 if PROTECT_FIRST_RUNS:  # its traced code, kept before the compiler sees it
-                    pending = _Pending(_traced_copy(gm), random=random_op(gm) is not None)
+                    pending = _Pending(
+                        _traced_copy(gm), random_op(gm) is not None, _written_inputs(gm)
+                    )
                 # Compile the backward graph now, not lazily at .backward(): a failure
                 # then surfaces here, on the guarded call, where eager can answer it.
                 with _eager_backward():
@@ -421,6 +423,7 @@ class _Pending:
 
     traced: Callable[..., Any] | None
     random: bool = False
+    written: frozenset[int] | None = frozenset()  # inputs its code updates (None: unknown)
 
 
 @dataclass(frozen=True, slots=True)
@@ -443,7 +446,7 @@ def _protected(
 ) -> Any:
     """The graph wrapper's part of a first run: run it protected, and leave what it
     showed in the caller's slot for :func:`~._paths.finish`."""
-    out, seen = _first_run(record, inner, traced, args, table, random=pending.random)
+    out, seen = _first_run(record, inner, traced, args, table, pending)
     if seen is None or seen.ok:
         pending.traced = None  # its effects are known: later runs take the common path
         record.prep = False
@@ -460,8 +463,7 @@ def _first_run(
     traced: Callable[..., Any],
     args: tuple[Any, ...],
     table: GraphTable,
-    *,
-    random: bool,
+    pending: _Pending,
 ) -> tuple[Any, Comparison | None]:
     """A compiled graph's first run, before anything is known of what its code writes:
     the compiled code runs on copies of the tensors it is given, its traced graph eagerly
@@ -469,9 +471,11 @@ def _first_run(
     of its inputs, gradients, in-place updates made once). The compiled run's outputs,
     and what it left in the copies, are compared with the eager run's (shadow checks on
     or off, like a bucket's padding; not for a graph that draws random numbers or is
-    never checked). Parameters are copied only for a graph that updates tensors in place (a
-    model's weights twice may not fit); a write into one is seen by its version."""
-    copies, pairs, params = _copies(args, parameters=record.mutates)
+    never checked). A parameter is copied only where the traced code updates it in place
+    (a model's weights twice may not fit); a compiled write into another is seen by its
+    version."""
+    random = pending.random
+    copies, pairs, params = _copies(args, pending.written)
     with _rng_kept(args) if random else contextlib.nullcontext():
         compiled_out = inner(*copies)
     wrote = any(c._version != v for _, c, v in pairs) or any(p._version != v for p, v in params)
@@ -509,22 +513,23 @@ def _outputs(out: Any) -> Any:
 
 
 def _copies(
-    args: tuple[Any, ...], *, parameters: bool
+    args: tuple[Any, ...], written: frozenset[int] | None
 ) -> tuple[list[Any], list[tuple[torch.Tensor, torch.Tensor, int]], list[tuple[torch.Tensor, int]]]:
     """The graph's arguments with each tensor replaced by a copy: its storage copied
     (once for tensors sharing one), viewed with the same offset, sizes and strides, so
-    aliasing and layout are what the compiled code was made for. Also the (tensor, copy,
-    copy's version) pairs, and the parameters left uncopied with their versions."""
+    aliasing and layout are what the compiled code was made for; a parameter only if its
+    position is in ``written`` (``None``: every one). Also the (tensor, copy, copy's
+    version) pairs, and the parameters left uncopied with their versions."""
     storages: dict[int, torch.UntypedStorage] = {}
     out: list[Any] = []
     pairs: list[tuple[torch.Tensor, torch.Tensor, int]] = []
     params: list[tuple[torch.Tensor, int]] = []
     with torch.no_grad():
-        for a in args:
+        for i, a in enumerate(args):
             if not isinstance(a, torch.Tensor):
                 out.append(a)
                 continue
-            if isinstance(a, torch.nn.Parameter) and not parameters:
+            if isinstance(a, torch.nn.Parameter) and written is not None and i not in written:
                 params.append((a, a._version))
                 out.append(a)
                 continue
@@ -754,6 +759,78 @@ def mutates_in_place(gm: torch.fx.GraphModule) -> bool:
         ):
             return True
     return False
+
+
+# Ops whose result may be a view of their first argument (a write into it writes there).
+_VIEWS = frozenset(
+    {
+        "getitem", "getattr", "view", "view_as", "reshape", "reshape_as", "transpose",
+        "permute", "t", "T", "mT", "H", "mH", "expand", "expand_as", "narrow", "select",
+        "squeeze", "unsqueeze", "flatten", "unflatten", "as_strided", "split", "chunk",
+        "unbind", "split_with_sizes", "tensor_split", "diagonal", "detach", "contiguous",
+        "movedim", "moveaxis", "swapaxes", "swapdims", "unfold", "real", "imag",
+        "view_as_real", "view_as_complex", "alias", "to", "type_as", "float", "half",
+    }
+)  # fmt: skip
+
+
+def _written_inputs(gm: torch.fx.GraphModule) -> frozenset[int] | None:
+    """The positions of the graph's inputs its code may update in place (an in-place op on
+    an input or a view of one); ``None`` when one cannot be traced back to its tensor."""
+    inputs = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    written: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        name = _target_name(node.target)
+        targets: list[Any] = []
+        if name == "batch_norm":
+            targets = [
+                *node.args[1:3],
+                node.kwargs.get("running_mean"),
+                node.kwargs.get("running_var"),
+            ]
+        elif (
+            name in _IN_PLACE_FUNCTIONS
+            or node.kwargs.get("inplace") is True
+            or (name.endswith("_") and not name.endswith("__"))
+        ):
+            targets = list(node.args[:1])
+        if "out" in node.kwargs:
+            targets.append(node.kwargs["out"])
+        for target in _leaves(targets):
+            base = _input_of(target, inputs)
+            if base is _UNKNOWN:
+                return None
+            if isinstance(base, int):
+                written.add(base)
+    return frozenset(written)
+
+
+_UNKNOWN = object()
+
+
+def _input_of(value: Any, inputs: dict[Any, int]) -> int | object | None:
+    """The input ``value`` is, or is a view of (its position); ``None`` for a tensor the
+    graph made; ``_UNKNOWN`` when it cannot tell (a module's attribute...)."""
+    for _ in range(64):
+        if not isinstance(value, torch.fx.Node):
+            return None  # a constant
+        if value.op == "placeholder":
+            return inputs[value]
+        if value.op not in ("call_function", "call_method"):
+            return _UNKNOWN
+        if _target_name(value.target) not in _VIEWS or not value.args:
+            return None  # a new tensor
+        value = value.args[0]
+    return _UNKNOWN
+
+
+def _leaves(value: Any) -> list[Any]:
+    """The leaves of nested lists and tuples (an op's list argument: ``_foreach_add_``)."""
+    if isinstance(value, list | tuple):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return [value]
 
 
 _SYMBOL = re.compile(r"\b[su]\d+\b")
