@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from safecompile import EventKind, Shadow, State, safe_compile
+from safecompile import Buckets, EventKind, Shadow, State, safe_compile
 from safecompile.guard import graphs
 from safecompile.testing import DriftingBackend, RecordingBackend
 
@@ -373,3 +373,23 @@ def test_a_parameter_the_users_code_updates_is_updated_once() -> None:
         guarded(p, torch.ones(4))
         torch.testing.assert_close(p.detach(), torch.full((4,), 1 - 0.5 * n))
     assert guarded.safecompile.stats().rollbacks == 0
+
+
+def test_drift_on_a_buckets_first_padded_call_trips() -> None:
+    """A bucket's first padded call is verified against unpadded eager on what it served
+    (its graph's first run: eager's); the compiled run's drift shows in the first-run
+    comparison, which trips there too."""
+
+    def scale(x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+    guarded = safe_compile(
+        scale,
+        backend=DriftingBackend(scale=1.05),
+        buckets=Buckets(dims={"x": 0}, sizes=[8]),
+        dynamic=False,
+        shadow=None,
+    )
+    x = torch.randn(5, 4)
+    torch.testing.assert_close(guarded(x), x * 3, rtol=0, atol=0)
+    assert guarded.safecompile.state is State.ROLLED_BACK

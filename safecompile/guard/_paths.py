@@ -626,9 +626,11 @@ def _verify_bucket(e: Engine, call: Call, padded_out: Any) -> Any:
     assert buckets is not None
     bucketer = buckets.bucketer
     slot = call.slot
-    due, first = slot.due, slot.first
+    due, first, fresh = slot.due, slot.first, slot.fresh
     slot.end()
     eager_out = e.fn(*call.args, **call.kwargs)
+    if fresh is not None and _first_runs(e, call, fresh):  # counted eager there
+        return None if call.warmup else eager_out
     try:
         if bucketer.policy.outputs is not None:
             cuts = bucketer.declared_cuts(plan, padded_out)
