@@ -96,7 +96,8 @@ class GraphRecord:
     breaks: list[dict[str, Any]] = field(default_factory=list)
     unchecked: str | None = None  # why this graph is never checked (random numbers...)
     mutates: bool = False  # seen to update its inputs or module state in place
-    prep: bool = False  # a later graph of its calls is due: snapshot state at this one
+    prep: bool = False  # not the common path next run: a later graph of its calls is due
+    # (snapshot state at this one), or its protected first run is to come
     effects: tuple[Effect, ...] = ()  # Python objects its frame updates (snapshotted)
     frame: tuple[str, str, int] | None = None  # its frame's code: name, file, first line
 
