@@ -11,8 +11,11 @@ such) and its tokens are compared with eager's:
 Cases: ``hf-auto`` (transformers compiles ``forward`` itself), ``plain-ro`` and
 ``plain-ro-nested`` (``torch.compile(forward, mode="reduce-overhead")``, transformers'
 compile off / on), ``safe-nocompile`` and ``safe-nested`` (``safe_compile`` with
-``mode="reduce-overhead"``, transformers' compile off / on), ``safe-default-nested``
-(``safe_compile`` in inductor's default mode, transformers' compile on).
+``mode="reduce-overhead"``, transformers' compile off / on), ``safe-noshadow`` (the same
+as ``safe-nocompile`` with shadow checks off: whether the checks' eager runs and state
+copies matter), ``safe-default-nested`` (``safe_compile`` in inductor's default mode,
+transformers' compile on). A case that crashes prints the innermost Python frames
+``faulthandler`` saw (where the launch was made from).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ CASES = (
     "hf-auto",
     "plain-ro",
     "safe-nocompile",
+    "safe-noshadow",
     "plain-ro-nested",
     "safe-default-nested",
     "safe-nested",
@@ -69,9 +73,10 @@ def run_case(case: str) -> None:
     elif case in ("plain-ro", "plain-ro-nested"):
         model.forward = torch.compile(model.forward, mode="reduce-overhead")
         out = generate(model, **(hf_off if case == "plain-ro" else {}))
-    elif case in ("safe-nocompile", "safe-nested"):
-        guarded = safe_compile(model, backend="inductor", mode="reduce-overhead", shadow=shadow)
-        out = generate(guarded, **(hf_off if case == "safe-nocompile" else {}))
+    elif case in ("safe-nocompile", "safe-nested", "safe-noshadow"):
+        checks = None if case == "safe-noshadow" else shadow
+        guarded = safe_compile(model, backend="inductor", mode="reduce-overhead", shadow=checks)
+        out = generate(guarded, **(hf_off if case != "safe-nested" else {}))
     elif case == "safe-default-nested":
         out = generate(safe_compile(model, backend="inductor", shadow=shadow))
     else:
@@ -105,6 +110,10 @@ def main() -> None:
             verdict = f"FAILED (exit {done.returncode})"
         errors = [line for line in lines if "Error" in line and not line.startswith(" ")]
         print(f"{case:22} {verdict}: {(errors or lines or [''])[-1][:200]}")
+        if done.returncode < 0:  # faulthandler's stack, innermost frame first
+            frames = [line.strip() for line in lines if line.strip().startswith("File ")]
+            for frame in frames[:6]:
+                print(f"{'':24}{frame[:160]}")
 
 
 if __name__ == "__main__":

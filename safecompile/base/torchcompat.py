@@ -223,6 +223,18 @@ def _call(name: str, effect: str, *args: Any, **kwargs: Any) -> Missing | None:
     return None
 
 
+def set_versions(tensors: tuple[torch.Tensor, ...], versions: tuple[int, ...]) -> Missing | None:
+    """Set tensors' version counters (what autograd checks a saved tensor against).
+    checked: 2.9.1, 2.13.0 (``torch._C._autograd._unsafe_set_version_counter``)"""
+    return _call(
+        "torch._C._autograd._unsafe_set_version_counter",
+        "a passing check of a call that updates a tensor its outputs saved for backward "
+        "leaves that backward raising",
+        tensors,
+        versions,
+    )
+
+
 def reset_code(code: types.CodeType) -> Missing | None:
     """Drop the graphs dynamo caches on one code object. checked: 2.9.1, 2.13.0"""
     return _call("torch._dynamo.reset_code", "reset() keeps torch's cached graphs", code)

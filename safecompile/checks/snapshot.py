@@ -14,7 +14,9 @@ from typing import Any
 
 import torch
 
+from safecompile.base import torchcompat
 from safecompile.base.torchcompat import pytree
+from safecompile.observe.log import torch_missing
 
 __all__ = ["After", "Snapshot", "contents_of"]
 
@@ -39,6 +41,7 @@ class After:
     # (the object, what the compiled run left in it, what eager left in it); a module's
     # buffers and its plain attributes are two, keyed by the names a run rebound
     objects: list[tuple[_Object, Any, Any]]
+    versions: tuple[int, ...] = ()  # each of ``tensors``' version after the compiled run
 
     def compiled_value(self, value: Any) -> Any:
         """``value`` as the compiled run left it: a tensor it updated in place (put back
@@ -55,10 +58,17 @@ class After:
         return compiled, {o.name: _comparable(e) for o, _, e in self.objects}
 
     def keep_compiled(self) -> None:
-        """The check passed: the caller keeps the state its compiled outputs came with."""
+        """The check passed: the caller keeps the state its compiled outputs came with,
+        and the version counters it left: the outputs' backward may have saved those
+        tensors, and their bytes are the compiled run's again."""
         with torch.no_grad():
             for t, compiled in self.tensors:
                 t.copy_(compiled)
+        if self.versions:
+            live = tuple(t for t, _ in self.tensors)
+            missing = torchcompat.set_versions(live, self.versions)
+            if missing is not None:
+                torch_missing(missing)
         for o, compiled, _ in self.objects:
             _put(o.obj, o.keys, compiled)
 
@@ -160,17 +170,19 @@ class Snapshot:
     def swap_back(self) -> After:
         """Set the compiled run's updates aside and put the state back as it was."""
         tensors = []
+        versions = []
         with torch.no_grad():
             for t, _, saved in self._in_place():
                 assert saved is not None
                 tensors.append((t, t.detach().clone()))
+                versions.append(t._version)
                 t.copy_(saved)
         moved = [o for m in self.modules for o in _moves(m)]
         objects = []
         for o in [*moved, *self.objects]:  # every named object: eager may update it alone
             objects.append((o, contents_of(o.obj, o.keys), None))
             _put(o.obj, o.keys, o.copies, unless=o.refs)
-        return After(tensors, objects)
+        return After(tensors, objects, tuple(versions))
 
     def settle(self, after: After) -> After:
         """After eager ran: fill in eager's side of every update, for the comparison; a

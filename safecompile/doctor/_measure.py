@@ -28,7 +28,7 @@ import torch
 from safecompile._version import __version__
 from safecompile.base import torchcompat
 from safecompile.base.errors import ConfigError
-from safecompile.base.model import Event, EventKind, State
+from safecompile.base.model import Event, EventKind, Reason, State
 from safecompile.base.policies import Rollback
 from safecompile.base.torchcompat import pytree
 from safecompile.checks.compare import compare
@@ -356,6 +356,16 @@ class _Session:
         )
         failed = _failure_event(_since(events_before, self.controller.events()))
         after = self.controller.stats()
+        if failed is not None and failed.reason is Reason.DRIFT:
+            # a graph's first run differed from its eager run (docs/design.md, "A graph's
+            # first run"): the guard answered with eager's result and rolled back
+            drift = failed.message or "outputs differ"
+            return dataclasses.replace(
+                call,
+                max_abs=failed.max_abs_diff or 0.0,
+                max_rel=failed.max_rel_diff or 0.0,
+                drift=drift,
+            )
         if failed is not None:
             self.failure = self._failure(failed, label)
             note = f"{failed.error_type}: safe_compile answered with eager's result"

@@ -189,6 +189,7 @@ class Engine:
             bucket_label=self.slots.bucket,
             clock=self.clock,
             announce=self._announce_compile,
+            cudagraphs=self.cudagraphs,
         )
         self.backend = GuardBackend(compiler, graph_hooks, opts.backend_label)
         if ks.register(name, self):

@@ -51,7 +51,7 @@ from safecompile.shapes.buckets import BucketError
 from safecompile.shapes.table import BucketEntry, BucketStatus, unmark
 
 from ._engine import Engine
-from .graphs import Call, CallSlot, GraphRecord
+from .graphs import Call, CallSlot, FirstRun, GraphRecord
 from .shadow import sync_device
 
 __all__ = ["call_slow", "entrypoint", "finish", "recover", "warm_call"]
@@ -270,7 +270,9 @@ def _env_reader() -> tuple[Callable[[object], object], object]:
 def finish(e: Engine, call: Call, out: Any) -> Any:
     """The compiled call returned, and something needs more than counting."""
     slot = call.slot
-    first, due, snapshot, new = slot.first, slot.due, slot.snapshot, slot.new
+    first, due, snapshot, new, fresh = slot.first, slot.due, slot.snapshot, slot.new, slot.fresh
+    if fresh is not None:  # a graph's first run (graphs._first_run) is no timing either
+        new = new or fresh
     if slot.timer >= 0.0:  # its time goes to the speed verdict, unless it is no live call's:
         sync_device(out)  # no compiled graph served it, or it compiled one
         elapsed = e.speed_clock() - slot.timer
@@ -278,6 +280,8 @@ def finish(e: Engine, call: Call, out: Any) -> Any:
         served = first is not None and first.compiled and new is None
         e.speed_done(Step.TIME_COMPILED, elapsed if served else None)
     slot.end()
+    if fresh is not None and _first_runs(e, call, fresh):
+        return out  # a breach: its graphs' outputs were eager's already
     if first is None or not first.compiled:
         # No compiled graph served: the graph is past the recompile limit and its traced
         # code ran eagerly, or dynamo ran the frame eagerly: past torch's own limit (above
@@ -298,6 +302,26 @@ def finish(e: Engine, call: Call, out: Any) -> Any:
         if slot.compiled >= slot.mark:
             e.speed_tick(slot)
     return out
+
+
+def _first_runs(e: Engine, call: Call, runs: list[FirstRun]) -> bool:
+    """Graphs ran for the first time in this call, their compiled code on copies that
+    need no gradients (graphs._first_run): a breach one of them showed trips (``True``)."""
+    for run in runs:
+        seen = run.seen
+        if seen is None or seen.ok:
+            continue
+        e.shadow.note(run.graph, None, seen)
+        e.trip(
+            Reason.DRIFT,
+            message=f"first run: {seen.reason or 'outputs differ'}",
+            graph=run.graph,
+            max_abs=seen.max_abs,
+            max_rel=seen.max_rel,
+        )
+        call.count_eager()
+        return True
+    return False
 
 
 def _check(
@@ -616,9 +640,11 @@ def _verify_bucket(e: Engine, call: Call, padded_out: Any) -> Any:
     assert buckets is not None
     bucketer = buckets.bucketer
     slot = call.slot
-    due, first = slot.due, slot.first
+    due, first, fresh = slot.due, slot.first, slot.fresh
     slot.end()
     eager_out = e.fn(*call.args, **call.kwargs)
+    if fresh is not None and _first_runs(e, call, fresh):  # counted eager there
+        return None if call.warmup else eager_out
     try:
         if bucketer.policy.outputs is not None:
             cuts = bucketer.declared_cuts(plan, padded_out)

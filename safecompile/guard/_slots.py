@@ -34,6 +34,7 @@ class Slot(Generic[G]):
         "eager",
         "first",
         "force",
+        "fresh",
         "mark",
         "new",
         "seen",
@@ -54,6 +55,7 @@ class Slot(Generic[G]):
         self.force = False  # check this call whatever the countdowns say (trials, warmup)
         self.snapshot: Snapshot | None = None  # state before the first graph ran
         self.new: list[G] | None = None  # graphs compiled during this call
+        self.fresh: list[Any] | None = None  # graphs' first runs in this call (graphs.FirstRun)
         self.started = 0.0  # clock when the first graph of a checked call started
         self.call: CallState[G] | None = None  # the slow call in progress, if any
         # The speed verdict (safecompile.checks.speed): the hot path reports to it when
@@ -73,6 +75,7 @@ class Slot(Generic[G]):
         self.due = None
         self.snapshot = None
         self.new = None
+        self.fresh = None
 
 
 @dataclass(slots=True, eq=False)

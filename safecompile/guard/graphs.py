@@ -28,6 +28,7 @@ import torch
 from safecompile.base import torchcompat
 from safecompile.base.options import CompilerFn
 from safecompile.base.policies import FOREVER, Shadow
+from safecompile.checks.compare import Comparison, compare
 from safecompile.observe.log import torch_missing
 from safecompile.observe.source import graph_breaks_of
 
@@ -37,6 +38,7 @@ __all__ = [
     "Call",
     "CallSlot",
     "Effect",
+    "FirstRun",
     "GraphFacts",
     "GraphHooks",
     "GraphRecord",
@@ -94,7 +96,8 @@ class GraphRecord:
     breaks: list[dict[str, Any]] = field(default_factory=list)
     unchecked: str | None = None  # why this graph is never checked (random numbers...)
     mutates: bool = False  # seen to update its inputs or module state in place
-    prep: bool = False  # a later graph of its calls is due: snapshot state at this one
+    prep: bool = False  # not the common path next run: a later graph of its calls is due
+    # (snapshot state at this one), or its protected first run is to come
     effects: tuple[Effect, ...] = ()  # Python objects its frame updates (snapshotted)
     frame: tuple[str, str, int] | None = None  # its frame's code: name, file, first line
 
@@ -183,6 +186,11 @@ class GraphTable:
         statuses = [record.check() for record in self]
         return {status: statuses.count(status) for status in ("checked", "unchecked", "not_yet")}
 
+    def tolerances(self) -> tuple[float | None, float | None]:
+        """The shadow policy's ``(rtol, atol)`` (``None``: the per-dtype defaults)."""
+        shadow = self._shadow
+        return (shadow.rtol, shadow.atol) if shadow is not None else (None, None)
+
     def countdown(self, record: GraphRecord) -> int:
         """The record's next countdown, as the shadow policy decides."""
         if self._shadow is None or record.unchecked is not None or not record.compiled:
@@ -237,6 +245,7 @@ class GraphHooks:
     clock: Callable[[], float]
     # (graph inputs as text, perf_counter at start) -> what to call when it ends
     announce: Callable[[str, float], Callable[[], None]]
+    cudagraphs: bool = False  # compiled graphs run under CUDA graphs (their pool outputs)
 
 
 class GuardBackend:
@@ -245,7 +254,7 @@ class GuardBackend:
     def __init__(self, compiler: CompilerFn, hooks: GraphHooks, label: str) -> None:
         self._compiler = compiler
         self._hooks = hooks
-        self._made: dict[tuple[Any, ...], tuple[GraphRecord, Callable[..., Any]]] = {}
+        self._made: dict[tuple[Any, ...], tuple[GraphRecord, Callable[..., Any], _Pending]] = {}
         # every code object it made graphs for: the function, and its resume functions
         self._codes: weakref.WeakSet[types.CodeType] = weakref.WeakSet()
         self.__name__ = f"safecompile[{label}]"
@@ -272,10 +281,15 @@ class GuardBackend:
             if made is not None:
                 # Threads racing on one new input signature each made dynamo trace it;
                 # torch does not de-duplicate: the first compile serves them all.
-                return _instrument(*made, hooks)
+                return _instrument(made[0], made[1], hooks, made[2])
             # the recompile limit counts the graphs compiled per code object
             compiled = sum(1 for r in hooks.table if r.compiled and r.code == code) < hooks.limit
+            pending = _Pending(None)
             if compiled:
+                if PROTECT_FIRST_RUNS:  # its traced code, kept before the compiler sees it
+                    pending = _Pending(
+                        _traced_copy(gm), random_op(gm) is not None, _written_inputs(gm)
+                    )
                 # Compile the backward graph now, not lazily at .backward(): a failure
                 # then surfaces here, on the guarded call, where eager can answer it.
                 with _eager_backward():
@@ -287,15 +301,16 @@ class GuardBackend:
             record.breaks = graph_breaks_of(gm, include_resumed=True)
             if frame is not None:  # as its running frame will show it
                 record.frame = _frame_key(frame)
-            self._made[twin] = (record, inner)
+            record.prep = pending.traced is not None  # its first run leaves the common path
+            self._made[twin] = (record, inner, pending)
             hooks.on_graph(record, gm)
-        return _instrument(record, inner, hooks)
+        return _instrument(record, inner, hooks, pending)
 
     def adopt(self, inner: Callable[..., Any], facts: GraphFacts) -> Callable[..., Any]:
         """A graph an earlier process saved, loaded instead of traced: recorded and wrapped
         like one made here (checks, counts, timing)."""
         record = self._hooks.table.add(facts, compiled=True, bucket=None)
-        return _instrument(record, inner, self._hooks)
+        return _instrument(record, inner, self._hooks, _Pending(None))
 
 
 def read_facts(gm: torch.fx.GraphModule) -> GraphFacts:
@@ -316,13 +331,17 @@ def read_facts(gm: torch.fx.GraphModule) -> GraphFacts:
 
 
 def _instrument(
-    record: GraphRecord, inner: Callable[..., Any], hooks: GraphHooks
+    record: GraphRecord, inner: Callable[..., Any], hooks: GraphHooks, pending: _Pending
 ) -> Callable[..., Any]:
-    """The compiled graph as torch will run it: first note the run in the caller's slot."""
+    """The compiled graph as torch will run it: first note the run in the caller's slot.
+    Its first run is protected (:func:`_first_run`) while ``pending`` holds its traced code."""
     inner = torchcompat.undisabled(inner)  # dynamo disables around this wrapper
+    if hooks.cudagraphs:
+        inner = _launched_live(inner)
     local = hooks.local
     snapshot = hooks.snapshot
     clock = hooks.clock
+    table = hooks.table
 
     def run(*args: Any) -> Any:
         try:
@@ -352,7 +371,10 @@ def _instrument(
                 slot.due.append(record)
         else:
             record.countdown -= 1
-        return inner(*args)
+        traced = pending.traced
+        if traced is None:
+            return inner(*args)
+        return _protected(record, inner, traced, pending, table, args, slot)
 
     run.__name__ = f"safecompile_graph_{record.id}"
     if record.compiled:
@@ -367,6 +389,187 @@ def _instrument(
 
     limited.__name__ = run.__name__
     return limited
+
+
+def _launched_live(inner: Callable[..., Any]) -> Callable[..., Any]:
+    """Under CUDA graphs: the compiled graph, run only on tensors whose memory torch still
+    lets be read. torch frees a CUDA-graph output that a later replay overwrote and marks
+    its storage so that reading its address raises (``RuntimeError: accessing tensor
+    output of CUDAGraphs that has been overwritten``); Triton's kernel launcher reads each
+    argument's address with ``data_ptr()`` and does not check for that error: the process
+    dies in the launch (docs/design.md, "Known limits"). Reading the addresses first
+    raises torch's error on our path instead, where eager answers or raises it too.
+    Parameters are left out: they are never a graph's output."""
+
+    def launched(*args: Any) -> Any:
+        for a in args:
+            if type(a) is torch.Tensor:
+                a.data_ptr()  # raises torch's error for an output overwritten since
+        return inner(*args)
+
+    return launched
+
+
+# ---------------------------------------------------------------- a graph's first run
+
+PROTECT_FIRST_RUNS = True
+"""Whether a compiled graph's first run is protected (:func:`_first_run`). Only
+``bench/first_call.py`` turns it off, to measure what the protection costs."""
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A compiled graph whose first run is still to come: its traced code (``None``: not
+    protected, or its effects are known) and whether it draws random numbers."""
+
+    traced: Callable[..., Any] | None
+    random: bool = False
+    written: frozenset[int] | None = frozenset()  # inputs its code updates (None: unknown)
+
+
+@dataclass(frozen=True, slots=True)
+class FirstRun:
+    """What a graph's protected first run showed (:func:`_first_run`): ``seen`` is its
+    comparison with eager (``None``: not compared: random numbers, or never checked)."""
+
+    graph: GraphRecord
+    seen: Comparison | None
+
+
+def _protected(
+    record: GraphRecord,
+    inner: Callable[..., Any],
+    traced: Callable[..., Any],
+    pending: _Pending,
+    table: GraphTable,
+    args: tuple[Any, ...],
+    slot: CallSlot,
+) -> Any:
+    """The graph wrapper's part of a first run: run it protected, and leave what it
+    showed in the caller's slot for :func:`~._paths.finish`."""
+    out, seen = _first_run(record, inner, traced, args, table, pending)
+    if seen is None or seen.ok:
+        pending.traced = None  # its effects are known: later runs take the common path
+        record.prep = False
+    first_run = FirstRun(record, seen)
+    slot.fresh = [first_run] if slot.fresh is None else [*slot.fresh, first_run]
+    if slot.due is None:
+        slot.due = []  # the hot path hands the call to finish(), which reads it
+    return out
+
+
+def _first_run(
+    record: GraphRecord,
+    inner: Callable[..., Any],
+    traced: Callable[..., Any],
+    args: tuple[Any, ...],
+    table: GraphTable,
+    pending: _Pending,
+) -> tuple[Any, Comparison | None]:
+    """A compiled graph's first run, before anything is known of what its code writes:
+    the compiled code runs on copies of the tensors it is given, its traced graph eagerly
+    on the caller's own, and the caller gets the eager run's outputs (its values, views
+    of its inputs, gradients, in-place updates made once). The compiled run's outputs,
+    and what it left in the copies, are compared with the eager run's (shadow checks on
+    or off, like a bucket's padding; not for a graph that draws random numbers or is
+    never checked). A parameter is copied only where the traced code updates it in place
+    (a model's weights twice may not fit); a compiled write into another is seen by its
+    version."""
+    random = pending.random
+    copies, pairs, params = _copies(args, pending.written)
+    with _rng_kept(args) if random else contextlib.nullcontext():
+        compiled_out = inner(*copies)
+    wrote = any(c._version != v for _, c, v in pairs) or any(p._version != v for p, v in params)
+    written = [p for p, v in params if p._version != v]
+    eager_out = traced(*args)
+    if wrote:
+        record.mutates = True  # its later checks copy the state first
+    if record.unchecked is not None or random:
+        return eager_out, None
+    rtol, atol = table.tolerances()
+    seen = compare(_outputs(compiled_out), _outputs(eager_out), rtol=rtol, atol=atol)
+    differ = [(a, c) for a, c, _ in pairs if not _same_bytes(a, c)]  # a cheap pass first
+    if seen.ok and differ:
+        state = compare([c for _, c in differ], [a for a, _ in differ], rtol=rtol, atol=atol)
+        if not state.ok:
+            why = f"its inputs after the run differ from eager's: {state.reason}"
+            seen = Comparison(False, state.max_abs, state.max_rel, why, state.leaves)
+    if seen.ok and written:
+        why = f"it wrote into {len(written)} parameter(s) that eager leaves as they are"
+        seen = Comparison(False, 0.0, float("inf"), why, seen.leaves)
+    return eager_out, seen
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    try:
+        return bool(torch.equal(a, b))
+    except Exception:  # a tensor that cannot be compared so: compare it fully
+        return False
+
+
+def _outputs(out: Any) -> Any:
+    """A graph's outputs as one type: a compiled graph may give a list where its traced
+    code gives a tuple."""
+    return tuple(out) if isinstance(out, list | tuple) else out
+
+
+def _copies(
+    args: tuple[Any, ...], written: frozenset[int] | None
+) -> tuple[list[Any], list[tuple[torch.Tensor, torch.Tensor, int]], list[tuple[torch.Tensor, int]]]:
+    """The graph's arguments with each tensor replaced by a copy: its storage copied
+    (once for tensors sharing one), viewed with the same offset, sizes and strides, so
+    aliasing and layout are what the compiled code was made for; a parameter only if its
+    position is in ``written`` (``None``: every one). Also the (tensor, copy, copy's
+    version) pairs, and the parameters left uncopied with their versions."""
+    storages: dict[int, torch.UntypedStorage] = {}
+    out: list[Any] = []
+    pairs: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+    params: list[tuple[torch.Tensor, int]] = []
+    with torch.no_grad():
+        for i, a in enumerate(args):
+            if not isinstance(a, torch.Tensor):
+                out.append(a)
+                continue
+            if isinstance(a, torch.nn.Parameter) and written is not None and i not in written:
+                params.append((a, a._version))
+                out.append(a)
+                continue
+            c = _copy(a, storages)
+            pairs.append((a, c, c._version))
+            out.append(c)
+    return out, pairs, params
+
+
+def _copy(t: torch.Tensor, storages: dict[int, torch.UntypedStorage]) -> torch.Tensor:
+    if type(t) not in (torch.Tensor, torch.nn.Parameter) or t.layout != torch.strided:
+        return t.detach().clone()  # a subclass, a sparse tensor: its own clone
+    storage = t.untyped_storage()
+    key = storage._cdata
+    copied = storages.get(key)
+    if copied is None:
+        copied = storages[key] = storage.clone()  # type: ignore[no-untyped-call]
+    c = torch.empty(0, dtype=t.dtype, device=t.device)
+    return c.set_(copied, t.storage_offset(), t.size(), t.stride())
+
+
+@contextlib.contextmanager
+def _rng_kept(args: tuple[Any, ...]) -> Iterator[None]:
+    """Random state put back after the block: a random graph's eager run then draws
+    what eager would have drawn."""
+    devices = sorted(
+        {a.device.index or 0 for a in args if isinstance(a, torch.Tensor) and a.is_cuda}
+    )
+    with torch.random.fork_rng(devices=devices):
+        yield
+
+
+def _traced_copy(gm: torch.fx.GraphModule) -> Callable[..., Any]:
+    """The graph's traced code, to run eagerly: its own copy of the graph (a compiler may
+    rewrite the one it is handed), sharing the module's attributes."""
+    graph = torch.fx.Graph()
+    graph._codegen = gm.graph._codegen
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return torch.fx.GraphModule(gm, graph).forward
 
 
 # ---------------------------------------------------------------- compile timing
@@ -557,6 +760,78 @@ def mutates_in_place(gm: torch.fx.GraphModule) -> bool:
         ):
             return True
     return False
+
+
+# Ops whose result may be a view of their first argument (a write into it writes there).
+_VIEWS = frozenset(
+    {
+        "getitem", "getattr", "view", "view_as", "reshape", "reshape_as", "transpose",
+        "permute", "t", "T", "mT", "H", "mH", "expand", "expand_as", "narrow", "select",
+        "squeeze", "unsqueeze", "flatten", "unflatten", "as_strided", "split", "chunk",
+        "unbind", "split_with_sizes", "tensor_split", "diagonal", "detach", "contiguous",
+        "movedim", "moveaxis", "swapaxes", "swapdims", "unfold", "real", "imag",
+        "view_as_real", "view_as_complex", "alias", "to", "type_as", "float", "half",
+    }
+)  # fmt: skip
+
+
+def _written_inputs(gm: torch.fx.GraphModule) -> frozenset[int] | None:
+    """The positions of the graph's inputs its code may update in place (an in-place op on
+    an input or a view of one); ``None`` when one cannot be traced back to its tensor."""
+    inputs = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    written: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        name = _target_name(node.target)
+        targets: list[Any] = []
+        if name == "batch_norm":
+            targets = [
+                *node.args[1:3],
+                node.kwargs.get("running_mean"),
+                node.kwargs.get("running_var"),
+            ]
+        elif (
+            name in _IN_PLACE_FUNCTIONS
+            or node.kwargs.get("inplace") is True
+            or (name.endswith("_") and not name.endswith("__"))
+        ):
+            targets = list(node.args[:1])
+        if "out" in node.kwargs:
+            targets.append(node.kwargs["out"])
+        for target in _leaves(targets):
+            base = _input_of(target, inputs)
+            if base is _UNKNOWN:
+                return None
+            if isinstance(base, int):
+                written.add(base)
+    return frozenset(written)
+
+
+_UNKNOWN = object()
+
+
+def _input_of(value: Any, inputs: dict[Any, int]) -> int | object | None:
+    """The input ``value`` is, or is a view of (its position); ``None`` for a tensor the
+    graph made; ``_UNKNOWN`` when it cannot tell (a module's attribute...)."""
+    for _ in range(64):
+        if not isinstance(value, torch.fx.Node):
+            return None  # a constant
+        if value.op == "placeholder":
+            return inputs[value]
+        if value.op not in ("call_function", "call_method"):
+            return _UNKNOWN
+        if _target_name(value.target) not in _VIEWS or not value.args:
+            return None  # a new tensor
+        value = value.args[0]
+    return _UNKNOWN
+
+
+def _leaves(value: Any) -> list[Any]:
+    """The leaves of nested lists and tuples (an op's list argument: ``_foreach_add_``)."""
+    if isinstance(value, list | tuple):
+        return [leaf for item in value for leaf in _leaves(item)]
+    return [value]
 
 
 _SYMBOL = re.compile(r"\b[su]\d+\b")
