@@ -319,7 +319,7 @@ def _first_runs(e: Engine, call: Call, runs: list[FirstRun]) -> bool:
             max_abs=seen.max_abs,
             max_rel=seen.max_rel,
         )
-        call.count_eager()
+        call.count_eager("check")
         return True
     return False
 
