@@ -51,11 +51,12 @@ from safecompile.persist import remote
 from safecompile.shapes.buckets import BucketError
 from safecompile.shapes.table import BucketEntry, BucketStatus, unmark
 
+from ._deferred import copy_call, signature
 from ._engine import Engine
 from .graphs import Call, CallSlot, GraphRecord
 from .shadow import sync_device
 
-__all__ = ["call_slow", "entrypoint", "finish", "recover", "warm_call"]
+__all__ = ["call_slow", "defer", "entrypoint", "finish", "recover", "warm_call"]
 
 # Exceptions raised while dynamo traces or a backend compiles (not by compiled code).
 _COMPILE_ERRORS: tuple[type[BaseException], ...] = torchcompat.compile_errors()
@@ -257,6 +258,10 @@ def finish(e: Engine, call: Call, out: Any) -> Any:
     """The compiled call returned, and something needs more than counting."""
     slot = call.slot
     first, due, snapshot, new = slot.first, slot.due, slot.snapshot, slot.new
+    if slot.held:  # a frame ran eagerly instead of making a new graph: compile it later
+        slot.held = False
+        if not call.warmup:
+            defer(e, call)
     if slot.timer >= 0.0:  # its time goes to the speed verdict, unless it is no live call's:
         sync_device(out)  # no compiled graph served it, or it compiled one
         elapsed = e.speed_clock() - slot.timer
@@ -316,6 +321,7 @@ def _check(
 def recover(e: Engine, call: Call, failure: Exception) -> Any:
     """The compiled path raised: answer with eager's result, or eager's own error."""
     call.slot.end()
+    call.slot.held = False
     if call.entry is not None and _bucket_fault(e, failure, call.entry):
         return eager(e, call)
     try:
@@ -383,8 +389,8 @@ def call_slow(
     trial = admitted == "trial"
     before = call.slot.compiled
     try:
-        if len(e.table) > 0:
-            return _call_compiled(e, call, force=trial or warmup)
+        if len(e.table) > 0 or (e.deferred is not None and not warmup):
+            return _call_compiled(e, call, force=trial or warmup)  # (deferred: no compile)
         # Nothing compiled yet: own the first compile, so other threads serve eager
         # instead of compiling the same graph again (torch does not de-duplicate).
         with e.compiles.claim(exclusive=True) as mine:
@@ -397,11 +403,39 @@ def call_slow(
 
 
 def warm_call(e: Engine, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """One warmup call (:meth:`Controller.warmup`): the slow path, checked, not counted."""
+    """One warmup call (:meth:`Controller.warmup`, a deferred compile): the slow path,
+    checked, not counted; it may make new graphs."""
     try:
-        return call_slow(e, args, kwargs, warmup=True)
+        with e.compiling_here():
+            return call_slow(e, args, kwargs, warmup=True)
     finally:
         discarded(e)  # its outputs are dropped: their backward never runs
+
+
+def defer(e: Engine, call: Call) -> None:
+    """A live call a new graph would serve ran eagerly: compile that graph on a worker,
+    from a copy of the call's inputs (:mod:`._deferred`). Never breaks the call."""
+    deferred = e.deferred
+    if deferred is None:
+        return
+    try:
+        key = signature(call.args, call.kwargs, e.module.training if e.module else None)
+        if not deferred.wanted(key):
+            return
+        args, kwargs = copy_call(call.args, call.kwargs)
+    except Exception:  # an argument deepcopy refuses: served eager, not compiled later
+        deferred.counts.uncopyable += 1
+        return
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def compile_it() -> None:
+        try:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                warm_call(e, args, kwargs)
+        except Exception as exc:  # eager raised on the copy: live calls serve on, eager
+            e.say_error(EventKind.WARMUP_FAILED, exc)
+
+    deferred.submit(key, compile_it)
 
 
 def discarded(e: Engine) -> None:
@@ -425,7 +459,7 @@ def _admit(e: Engine, call: Call) -> str | None:
     if not call.warmup and (
         (e.opts.rollout < 1.0 and not e.pick_compiled())
         or e.warming_up
-        or e.compiles.busy_elsewhere()  # a compile is in flight elsewhere: eager meanwhile
+        or (e.deferred is None and e.compiles.busy_elsewhere())  # eager meanwhile
     ):
         return None
     known = e.failures.known(call.args, call.kwargs)
@@ -440,7 +474,7 @@ def _admit(e: Engine, call: Call) -> str | None:
 
 def _call_compiled(e: Engine, call: Call, *, force: bool) -> Any:
     """Call the compiled function from the slow path (buckets planned here)."""
-    if not _plan_bucket(e, call):
+    if not _plan_bucket(e, call) or _deferred_now(e, call):
         return eager(e, call)
     slot = call.slot
     step = Step.UNTIMED
@@ -472,6 +506,18 @@ def _call_compiled(e: Engine, call: Call, *, force: bool) -> Any:
         if slot.timer >= 0.0:  # a timed call that did not reach finish(): not a time
             slot.timer = -1.0
             e.speed_done(Step.TIME_COMPILED, None)
+
+
+def _deferred_now(e: Engine, call: Call) -> bool:
+    """With deferred compiles, a live call no graph can serve without compiling (nothing
+    compiled yet, or its bucket's padding not verified) is deferred: eager serves it."""
+    if e.deferred is None or call.warmup:
+        return False
+    entry = call.entry
+    if len(e.table) > 0 and (entry is None or entry.status is BucketStatus.READY):
+        return False
+    defer(e, call)
+    return True
 
 
 def _plan_bucket(e: Engine, call: Call) -> bool:
