@@ -269,3 +269,19 @@ def test_a_reset_during_a_compile_on_a_worker_waits_for_it_then_warms_up_again()
     assert g.safecompile.wait_warm(WAIT)
     torch.testing.assert_close(g(x), x * 2 + 1)
     assert g.safecompile.stats().compiled_calls == 1
+
+
+def test_reset_warms_up_under_the_grad_mode_of_the_decoration() -> None:
+    """A reset() called with gradients on (an admin endpoint) warms up the graphs that
+    no_grad traffic uses, as the decoration did."""
+    backend = RecordingBackend()
+    x = torch.randn(4)
+    with torch.no_grad():
+        g = safe_compile(
+            double, backend=backend, dynamic=False, shadow=None, warmup=Warmup(inputs=[(x,)])
+        )
+    g.safecompile.reset()
+    with torch.no_grad():
+        g(x)
+    assert backend.compiles == 2  # the decoration's and the reset's: none for the call
+    assert g.safecompile.stats().compiled_calls == 1

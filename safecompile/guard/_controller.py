@@ -39,6 +39,7 @@ class Controller:
         self.name = engine.name
         """The stable name: what the kill switch, telemetry and persisted verdicts use."""
         self._engine = engine
+        self._warm_grad: bool | None = None  # the grad mode warmups run under
 
     def __deepcopy__(self, memo: dict[int, Any]) -> None:
         """A copy of a guarded module is unguarded (see ``_ModuleForward``)."""
@@ -180,8 +181,9 @@ class Controller:
         The graphs torch holds for this function and its resume functions are dropped
         too (``torch._dynamo.reset_code``), and the same backend and compiled function
         serve on, so resets never pile up cache entries, graphs or backends. The
-        callable's ``warmup=`` runs again as it did at decoration: on its worker with
-        ``background=True`` (eager serves meanwhile), else before ``reset()`` returns.
+        callable's ``warmup=`` runs again as it did at decoration (under the grad mode
+        of the decoration): on its worker with ``background=True`` (eager serves
+        meanwhile), else before ``reset()`` returns.
         """
         e = self._engine
         # A warmup call in flight on another thread (a background warmup, a deferred
@@ -224,7 +226,9 @@ class Controller:
         warmup = e.opts.warmup
         if warmup is None:
             return
-        grad = torch.is_grad_enabled()
+        if self._warm_grad is None:  # decoration's grad mode, on reset() too
+            self._warm_grad = torch.is_grad_enabled()
+        grad = self._warm_grad
 
         def run() -> None:
             with torch.set_grad_enabled(grad):

@@ -509,12 +509,10 @@ def _call_compiled(e: Engine, call: Call, *, force: bool) -> Any:
 
 
 def _deferred_now(e: Engine, call: Call) -> bool:
-    """With deferred compiles, a live call no graph can serve without compiling (nothing
-    compiled yet, or its bucket's padding not verified) is deferred: eager serves it."""
-    if e.deferred is None or call.warmup:
-        return False
-    entry = call.entry
-    if len(e.table) > 0 and (entry is None or entry.status is BucketStatus.READY):
+    """With deferred compiles, a live call while nothing is compiled yet is deferred at
+    once: eager serves it. Any other call tries the compiled function, where a frame that
+    would make a new graph runs eagerly instead (``slot.held``)."""
+    if e.deferred is None or call.warmup or len(e.table) > 0:
         return False
     defer(e, call)
     return True
@@ -622,6 +620,11 @@ def _call_bucket(e: Engine, call: Call) -> Any:
         unmark(marked)
     if failure is not None:
         return recover(e, call, failure)
+    if call.slot.held:  # a frame ran eagerly, on the padded inputs, instead of compiling:
+        call.slot.held = False  # eager answers on the caller's own (a new bucket's first
+        call.slot.end()  # call: two eager runs, no compile)
+        defer(e, call)
+        return eager(e, call)
     if padded and entry.cuts is None and not e.persisted.reuse(bucketer, plan, entry, out):
         return _verify_bucket(e, call, out)
     if padded:
