@@ -247,11 +247,11 @@ def test_a_function_reading_a_global_tensor_is_not_saved(cache_dir: Path) -> Non
 def test_reset_forgets_the_precompiled_functions(cache_dir: Path) -> None:
     guard()
     g = guard()
-    g.safecompile.reset()
-    assert saved_files(cache_dir) == []
+    assert saved_files(cache_dir) != []
     before = traced()
-    torch.testing.assert_close(g(X), score(X))
+    g.safecompile.reset()  # forgotten: the warmup it runs again traces (and saves anew)
     assert traced() > before
+    torch.testing.assert_close(g(X), score(X))
 
 
 def test_a_torch_that_cannot_precompile_traces_every_restart_and_says_so_once(

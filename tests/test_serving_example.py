@@ -121,8 +121,8 @@ def wait_warm(client: httpx.Client) -> None:
 
 @pytest.fixture
 def client(fresh: httpx.Client) -> httpx.Client:
-    """The server once warm (a reset does not warm up again: each bucket then compiles at
-    its first call), left reset after the test."""
+    """The server once warm (a reset warms up again, in the background), left reset after
+    the test."""
     wait_warm(fresh)
     return fresh
 
@@ -157,9 +157,14 @@ def rollbacks_since_reset(report: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def compile_one(client: httpx.Client, eager: Callable[[list[int]], torch.Tensor]) -> None:
-    """After a reset: one request compiles its bucket, and the compiled path serves."""
-    assert assert_eager_scores(client, eager, tokens_of(5)) == "canary"
-    assert status(client)["stats"]["compiled_calls"] == 1
+    """After a reset (which warms up again in the background): requests until one is
+    served compiled (the speed verdict, started afresh, may time one on eager first)."""
+    wait_warm(client)
+    for _ in range(10):
+        assert assert_eager_scores(client, eager, tokens_of(5)) == "canary"
+        if status(client)["stats"]["compiled_calls"] == 1:
+            return
+    raise AssertionError(f"no request served compiled: {status(client)['stats']}")
 
 
 def test_scores_match_eager_while_warming_and_compiled(
@@ -297,17 +302,17 @@ def test_metrics_scrape(
         return prometheus_value(response.text, name, function="serving.tagger", **labels)
 
     calls = metric("safecompile_calls_total", path="compiled")
-    eager_calls = metric("safecompile_calls_total", path="eager")
     rollbacks = metric("safecompile_rollbacks_total", reason="runtime_error")
     compiles = metric("safecompile_compile_duration_seconds_count")
     compile_one(client, eager)
+    eager_calls = metric("safecompile_calls_total", path="eager")
     client.post("/fault", json={"kind": "error"})
     assert_eager_scores(client, eager, tokens_of(5))
 
     assert metric("safecompile_calls_total", path="compiled") == calls + 1
     assert metric("safecompile_calls_total", path="eager") == eager_calls + 1
     assert metric("safecompile_rollbacks_total", reason="runtime_error") == rollbacks + 1
-    assert metric("safecompile_compile_duration_seconds_count") == compiles + 1
+    assert metric("safecompile_compile_duration_seconds_count") == compiles  # warm: none
     assert metric("safecompile_shadow_checks_total", result="pass") > 0
 
 
@@ -347,4 +352,4 @@ def test_status_reads_as_indented_json_with_a_legend(
     body = response.json()
     assert set(body["legend"]) <= set(body)
     assert "padded to the 16-token bucket" in body["legend"]["buckets"]
-    assert any(key.startswith("8 (length 5) [") for key in body["buckets"]), body["buckets"]
+    assert any(key.startswith("8 (length ") for key in body["buckets"]), body["buckets"]

@@ -411,15 +411,20 @@ class Warmup:
 
     :param inputs: a sequence of argument tuples, or a callable returning one (called
         when warmup runs, so large tensors need not live for the process's lifetime).
-    :param background: compile on a worker thread while eager serves.
+    :param background: compile on a worker thread while eager serves; then no live call
+        waits for a compile: one that would make a graph no warmup covered is served
+        eager, and that graph compiles on a worker with a copy of its inputs.
     :param nice: the worker thread's CPU priority on Linux (and its compiler processes'),
         0-19: 19, the lowest, lets live traffic keep the CPU first; ``None`` or ``0``
         leaves it at the caller's (docs/speed.md, "Background warmup").
+    :param queue_size: with ``background``, live calls' new graphs waiting to compile at
+        most (more are served eager, and counted).
     """
 
     inputs: WarmupInputs
     background: bool = False
     nice: int | None = 19
+    queue_size: int = 8
 
     def __post_init__(self) -> None:
         inputs: object = self.inputs  # checked at run time: callers may pass anything
@@ -434,6 +439,7 @@ class Warmup:
             raise ConfigError(f"Warmup(background=...) must be a bool, got {self.background!r}")
         if self.nice is not None:  # None: leave the worker's priority alone
             _check_number("Warmup", "nice", self.nice, minimum=0, maximum=19, integer=True)
+        _check_number("Warmup", "queue_size", self.queue_size, minimum=1, integer=True)
 
     def resolve(self) -> tuple[tuple[Any, ...], ...]:
         """The example argument tuples (calling ``inputs`` if it is a callable)."""

@@ -56,6 +56,7 @@ __all__ = [
     "eager_backward",
     "frame_code",
     "graph_line_map",
+    "hold_new_graphs",
     "inductor_options",
     "inlined_sources",
     "is_op_overload",
@@ -585,3 +586,67 @@ def compile_cache_counts() -> dict[str, int]:
         + int(inductor.get("fxgraph_cache_bypass", 0)),
         "aot_hit": int(aot.get("autograd_cache_hit", 0)),
     }
+
+
+# ---------------------------------------------------------------- new graphs held back
+
+
+def hold_new_graphs(
+    compiled: Callable[..., Any], allow: Callable[[], bool], held: Callable[[], None]
+) -> Missing | None:
+    """Make ``compiled`` (what ``torch.compile`` returned) ask before it makes a graph.
+
+    dynamo calls the compiled function's frame callback only when a frame finds no cache
+    entry whose guards pass (a hit never calls it): wrapped here, on a thread where
+    ``allow()`` is false, a frame that dynamo would trace runs eagerly instead (for this
+    call only: the code is not marked), the frames it calls run only what is compiled
+    already, and ``held()`` is told. Frames dynamo skips anyway keep torch's answer. The
+    wrapper names torch's callback as its backend, so cache entries match as before (as
+    ``set_stance("fail_on_recompile")``'s callback does). checked: 2.13.0 (the
+    ``callback`` cell of ``_TorchDynamoContext.__call__``'s ``compile_wrapper``;
+    ``ConvertFrameReturn(frame_exec_strategy=, apply_to_code=)``; ``_FrameExecStrategy``,
+    ``_FrameAction.SKIP``/``RUN_ONLY``; ``trace_rules.check``; ``has_tensor_in_frame``)."""
+    effect = "a live call that makes a new graph waits for its compile"
+    code = getattr(compiled, "__code__", None)
+    cells = getattr(compiled, "__closure__", None)
+    answer = lookup("torch._dynamo.types.ConvertFrameReturn")
+    strategy = lookup("torch._C._dynamo.eval_frame._FrameExecStrategy")
+    action = lookup("torch._C._dynamo.eval_frame._FrameAction")
+    skipped = lookup("torch._dynamo.trace_rules.check")
+    has_tensor = lookup("torch._dynamo.convert_frame.has_tensor_in_frame")
+    if (
+        code is None
+        or cells is None
+        or "callback" not in code.co_freevars
+        or None in (answer, strategy, action, skipped, has_tensor)
+    ):
+        return Missing("torch._dynamo.eval_frame._TorchDynamoContext callback", effect)
+    cell = cells[code.co_freevars.index("callback")]
+    inner = cell.cell_contents
+    if not callable(inner) or not hasattr(inner, "_torchdynamo_orig_backend"):
+        return Missing("torch._dynamo.eval_frame._TorchDynamoContext callback", effect)
+    run_eagerly = strategy(action.SKIP, action.SKIP)  # this frame and those it calls
+    skipped(code)  # its rule tables are built on first use (~20 ms): not on a live call
+    skips: dict[types.CodeType, bool] = {}  # ``trace_rules.check`` per code (~0.1 ms each)
+
+    class _Held:
+        """torch's callback, asking ``allow()`` before a frame it would trace."""
+
+        def __init__(self) -> None:
+            self._torchdynamo_orig_backend = inner
+
+        def __call__(self, frame: Any, cache_entry: Any, frame_state: Any) -> Any:
+            if allow():
+                return inner(frame, cache_entry, frame_state)
+            skip = skips.get(frame.f_code)
+            if skip is None:
+                if len(skips) > 1024:
+                    skips.clear()
+                skip = skips[frame.f_code] = bool(skipped(frame.f_code))
+            if skip or not has_tensor(frame):
+                return inner(frame, cache_entry, frame_state)
+            held()
+            return answer(frame_exec_strategy=run_eagerly, apply_to_code=False)
+
+    cell.cell_contents = _Held()
+    return None

@@ -8,7 +8,10 @@ more: ``name``, ``state``, ``stats()``, ``events()``, ``warmup()``, ``wait_warm(
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
+
+import torch
 
 from safecompile.base import killswitch as ks
 from safecompile.base import torchcompat
@@ -17,6 +20,7 @@ from safecompile.checks.speed import CallSpeed
 from safecompile.observe.log import torch_missing
 from safecompile.observe.source import location_fields
 
+from . import _workers
 from ._engine import Engine
 from ._paths import warm_call
 from .graphs import GraphRecord
@@ -35,6 +39,7 @@ class Controller:
         self.name = engine.name
         """The stable name: what the kill switch, telemetry and persisted verdicts use."""
         self._engine = engine
+        self._warm_grad: bool | None = None  # the grad mode warmups run under
         engine.sink.observe_state(self._observed)
 
     def _observed(self) -> tuple[str, bool]:
@@ -104,6 +109,11 @@ class Controller:
                     "latency": shadow.latency,
                     "shadow_queue_full": shadow.queue_full,
                     "speed": _speed_figures(e.speed),
+                    "deferred": (
+                        e.deferred.counts.as_dict(e.deferred.pending())
+                        if e.deferred is not None
+                        else None
+                    ),
                 },
             )
 
@@ -181,10 +191,17 @@ class Controller:
 
         The graphs torch holds for this function and its resume functions are dropped
         too (``torch._dynamo.reset_code``), and the same backend and compiled function
-        serve on, so resets never pile up cache entries, graphs or backends.
+        serve on, so resets never pile up cache entries, graphs or backends. The
+        callable's ``warmup=`` runs again as it did at decoration (under the grad mode
+        of the decoration): on its worker with ``background=True`` (eager serves
+        meanwhile), else before ``reset()`` returns.
         """
         e = self._engine
-        with e.lock:
+        # A warmup call in flight on another thread (a background warmup, a deferred
+        # compile) ends first: torch cannot drop a code's graphs while a thread is between
+        # compiling one and installing it (the process crashed). Then dynamo's compile
+        # lock (any other compile), then the engine's, in the order a compile takes them.
+        with e.warm_lock, torchcompat.compile_lock() or contextlib.nullcontext(), e.lock:
             e.table.clear()
             e.start_afresh()
             for code in e.backend.restart():  # ours, resume functions too
@@ -200,8 +217,54 @@ class Controller:
             e.precompiled.forget()
             if e.buckets is not None:
                 e.buckets.clear()
+            if e.deferred is not None:
+                e.deferred.clear()
             e.update_gate()
         e.say(EventKind.RESET, "reset()")
+        self._start_warmup()  # again, as at decoration: eager serves meanwhile
+
+    def _start_warmup(self) -> None:
+        """Run the ``warmup=`` policy: now, or on a worker thread while eager serves
+        (``Warmup(background=True)``; at decoration and on ``reset()``).
+
+        The worker lowers its own priority to ``warmup.nice`` first, so live calls keep
+        the CPU. inductor traces one helper module with ``torch.fx.symbolic_trace`` the
+        first time it lowers a graph, which patches ``nn.Module.__call__`` process-wide
+        while it runs: that one-time trace is done here, before any live call can overlap
+        it.
+        """
+        e = self._engine
+        warmup = e.opts.warmup
+        if warmup is None:
+            return
+        if self._warm_grad is None:  # decoration's grad mode, on reset() too
+            self._warm_grad = torch.is_grad_enabled()
+        grad = self._warm_grad
+
+        def run() -> None:
+            with torch.set_grad_enabled(grad):
+                for example in warmup.resolve():
+                    self.warmup(*example)
+
+        if not warmup.background:
+            run()
+            return
+        if e.opts.backend_label == "inductor":
+            with contextlib.suppress(Exception):  # another torch: nothing to close
+                closed = torchcompat.close_symbolic_trace_window()
+                if closed is not None:
+                    torch_missing(closed)
+        e.background_warmup(pending=True)
+
+        def work() -> None:
+            try:
+                run()
+            except Exception as exc:
+                e.say_error(EventKind.WARMUP_FAILED, exc)  # eager keeps serving
+            finally:
+                e.background_warmup(pending=False)
+
+        _workers.start(f"safecompile-warmup:{e.name}", work, nice=warmup.nice)
 
     def report(self) -> dict[str, Any]:
         """Everything above as a JSON-serialisable dict, for tools."""

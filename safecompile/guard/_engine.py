@@ -10,11 +10,12 @@ sink. :class:`~._controller.Controller` is the public face over it.
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,7 @@ from safecompile.base.policies import FOREVER
 from safecompile.checks.snapshot import Snapshot
 from safecompile.checks.speed import CallSpeed, Decision, SpeedPolicy, Step, call_clock
 from safecompile.observe.explain import Explanation, explain
-from safecompile.observe.log import Once, log_event
+from safecompile.observe.log import Once, log_event, torch_missing
 from safecompile.observe.progress import Compiling, watch_compile
 from safecompile.observe.source import (
     dedupe_graph_breaks,
@@ -45,6 +46,7 @@ from safecompile.shapes.buckets import Bucketer, uses_cudagraphs
 from safecompile.shapes.table import BucketTable
 
 from ._compiles import CompileTracker, KnownFailures
+from ._deferred import Deferred
 from ._precompile import Precompiled
 from ._serving import Serving
 from ._slots import Slots
@@ -175,6 +177,18 @@ class Engine:
         self.events: collections.deque[Event] = collections.deque(maxlen=_MAX_EVENTS)
         self.background = threading.Event()  # set while no background warmup is pending
         self.background.set()
+        self._backgrounds = 0  # background warmups pending (a reset() can start another)
+        # Warmup(background=True): a live call that would make a new graph is served
+        # eager, and the graph compiled later on a worker (._deferred); only threads
+        # inside a warmup call (warm_call) may compile then.
+        warmup = opts.warmup
+        self.deferred: Deferred | None = None
+        if warmup is not None and warmup.background:
+            self.deferred = Deferred(name, warmup.queue_size, warmup.nice)
+        self._compile_here = threading.local()
+        # held by each warmup call (they may compile) and by reset(): torch cannot drop a
+        # code's graphs while another thread is between compiling and installing one
+        self.warm_lock = threading.RLock()
         self.warmups = 0  # blocking warmups in progress
         self._rollout_acc = 0.0
         self.start_afresh()
@@ -239,7 +253,35 @@ class Engine:
             recompile_limit=max(2 * opts.rollback.recompile_limit + 2, 8),
             options={"guard_filter_fn": guard_filter} if guard_filter is not None else None,
         )
+        if self.deferred is not None:  # live threads hold a new graph back (._deferred)
+            missing = torchcompat.hold_new_graphs(traced, self.may_compile_here, self._held)
+            if missing is not None:
+                torch_missing(missing)
+                self.deferred = None
         return self.precompiled.serving(traced)  # what an earlier process saved, first
+
+    def may_compile_here(self) -> bool:
+        """Whether a call on this thread may make a new graph (see :attr:`deferred`)."""
+        return getattr(self._compile_here, "allowed", False)
+
+    @contextlib.contextmanager
+    def compiling_here(self) -> Iterator[None]:
+        """A warmup call: this thread may make new graphs while the block runs."""
+        before = self.may_compile_here()
+        with self.warm_lock:
+            self._compile_here.allowed = True
+            try:
+                yield
+            finally:
+                self._compile_here.allowed = before
+
+    def _held(self) -> None:
+        """A live call's frame would have made a new graph and ran eagerly instead: the
+        call goes to the slow path after it returns (``finish``), which defers it."""
+        slot = self.slots.get()
+        slot.held = True
+        if slot.due is None:
+            slot.due = []
 
     def _snapshot(self, graph_args: tuple[Any, ...], graph: GraphRecord) -> Any:
         """State before the first graph of a checked call runs (on the calling thread)."""
@@ -259,7 +301,9 @@ class Engine:
                 not self.gate.disabled
                 and not self.trips.tripped
                 and self.opts.rollout >= 1.0
-                and not self.compiles.busy
+                # a compile elsewhere shuts it, unless a live call cannot compile (a
+                # miss is served eager: ._deferred), so the race it avoids is harmless
+                and (self.deferred is not None or not self.compiles.busy)
                 and not self.warming_up
                 and len(self.table) > 0
                 and not (self.speed is not None and self.speed.wants)
@@ -275,11 +319,14 @@ class Engine:
         return bool(self.warmups) or not self.background.is_set()
 
     def background_warmup(self, *, pending: bool) -> None:
-        """A background warmup starts (``pending``: live calls run eager) or ends."""
-        if pending:
-            self.background.clear()
-        else:
-            self.background.set()
+        """A background warmup starts (``pending``: live calls run eager) or ends; the
+        gate opens when the last one pending ends."""
+        with self.lock:
+            self._backgrounds = max(0, self._backgrounds + (1 if pending else -1))
+            if self._backgrounds:
+                self.background.clear()
+            else:
+                self.background.set()
         self.update_gate()
 
     def pick_compiled(self) -> bool:

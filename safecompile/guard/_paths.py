@@ -50,11 +50,12 @@ from safecompile.persist import remote
 from safecompile.shapes.buckets import BucketError
 from safecompile.shapes.table import BucketEntry, BucketStatus, unmark
 
+from ._deferred import copy_call, signature
 from ._engine import Engine
 from .graphs import Call, CallSlot, FirstRun, GraphRecord
 from .shadow import sync_device
 
-__all__ = ["call_slow", "entrypoint", "finish", "recover", "warm_call"]
+__all__ = ["call_slow", "defer", "entrypoint", "finish", "recover", "warm_call"]
 
 # Exceptions raised while dynamo traces or a backend compiles (not by compiled code).
 _COMPILE_ERRORS: tuple[type[BaseException], ...] = torchcompat.compile_errors()
@@ -273,6 +274,11 @@ def finish(e: Engine, call: Call, out: Any) -> Any:
     first, due, snapshot, new, fresh = slot.first, slot.due, slot.snapshot, slot.new, slot.fresh
     if fresh is not None:  # a graph's first run (graphs._first_run) is no timing either
         new = new or fresh
+    held = slot.held
+    if held:  # a frame ran eagerly instead of making a new graph: compile it later
+        slot.held = False
+        if not call.warmup:
+            defer(e, call)
     if slot.timer >= 0.0:  # its time goes to the speed verdict, unless it is no live call's:
         sync_device(out)  # no compiled graph served it, or it compiled one
         elapsed = e.speed_clock() - slot.timer
@@ -285,9 +291,10 @@ def finish(e: Engine, call: Call, out: Any) -> Any:
     if first is None or not first.compiled:
         # No compiled graph served: the graph is past the recompile limit and its traced
         # code ran eagerly, or dynamo ran the frame eagerly: past torch's own limit (above
-        # ours), or it made no graph of it (nothing to compile)
+        # ours), or it made no graph of it (nothing to compile), or held back a new graph
+        # to compile off the request path (warming)
         limited = first is not None or e.tally.limit_said
-        call.count_eager("recompile_limit" if limited else "no_graph")
+        call.count_eager("warming" if held else "recompile_limit" if limited else "no_graph")
         return out
     if due:
         if snapshot is None:
@@ -353,6 +360,7 @@ def _check(
 def recover(e: Engine, call: Call, failure: Exception) -> Any:
     """The compiled path raised: answer with eager's result, or eager's own error."""
     call.slot.end()
+    call.slot.held = False
     if call.entry is not None and _bucket_fault(e, failure, call.entry):
         return eager(e, call, "bucket")
     try:
@@ -421,8 +429,8 @@ def call_slow(
     trial = admitted == "trial"
     before = call.slot.compiled
     try:
-        if len(e.table) > 0:
-            return _call_compiled(e, call, force=trial or warmup)
+        if len(e.table) > 0 or (e.deferred is not None and not warmup):
+            return _call_compiled(e, call, force=trial or warmup)  # (deferred: no compile)
         # Nothing compiled yet: own the first compile, so other threads serve eager
         # instead of compiling the same graph again (torch does not de-duplicate).
         with e.compiles.claim(exclusive=True) as mine:
@@ -435,11 +443,39 @@ def call_slow(
 
 
 def warm_call(e: Engine, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    """One warmup call (:meth:`Controller.warmup`): the slow path, checked, not counted."""
+    """One warmup call (:meth:`Controller.warmup`, a deferred compile): the slow path,
+    checked, not counted; it may make new graphs."""
     try:
-        return call_slow(e, args, kwargs, warmup=True)
+        with e.compiling_here():
+            return call_slow(e, args, kwargs, warmup=True)
     finally:
         discarded(e)  # its outputs are dropped: their backward never runs
+
+
+def defer(e: Engine, call: Call) -> None:
+    """A live call a new graph would serve ran eagerly: compile that graph on a worker,
+    from a copy of the call's inputs (:mod:`._deferred`). Never breaks the call."""
+    deferred = e.deferred
+    if deferred is None:
+        return
+    try:
+        key = signature(call.args, call.kwargs, e.module.training if e.module else None)
+        if not deferred.wanted(key):
+            return
+        args, kwargs = copy_call(call.args, call.kwargs)
+    except Exception:  # an argument deepcopy refuses: served eager, not compiled later
+        deferred.counts.uncopyable += 1
+        return
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+
+    def compile_it() -> None:
+        try:
+            with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                warm_call(e, args, kwargs)
+        except Exception as exc:  # eager raised on the copy: live calls serve on, eager
+            e.say_error(EventKind.WARMUP_FAILED, exc)
+
+    deferred.submit(key, compile_it)
 
 
 def discarded(e: Engine) -> None:
@@ -463,8 +499,8 @@ def _admit(e: Engine, call: Call) -> str:
     if not call.warmup:
         if e.opts.rollout < 1.0 and not e.pick_compiled():
             return "rollout"
-        # a warmup, or a compile in flight elsewhere: eager meanwhile
-        if e.warming_up or e.compiles.busy_elsewhere():
+        # a warmup, or a compile in flight elsewhere (unless deferred): eager meanwhile
+        if e.warming_up or (e.deferred is None and e.compiles.busy_elsewhere()):
             return "warming"
     known = e.failures.known(call.args, call.kwargs)
     if known is not None:
@@ -478,8 +514,9 @@ def _admit(e: Engine, call: Call) -> str:
 
 def _call_compiled(e: Engine, call: Call, *, force: bool) -> Any:
     """Call the compiled function from the slow path (buckets planned here)."""
-    if not _plan_bucket(e, call):
-        return eager(e, call, "bucket")
+    why = "bucket" if not _plan_bucket(e, call) else "warming" if _deferred_now(e, call) else None
+    if why is not None:  # its bucket runs eager, or its first compile is deferred
+        return eager(e, call, why)
     slot = call.slot
     step = Step.UNTIMED
     if e.speed is not None and not (force or call.warmup):
@@ -510,6 +547,16 @@ def _call_compiled(e: Engine, call: Call, *, force: bool) -> Any:
         if slot.timer >= 0.0:  # a timed call that did not reach finish(): not a time
             slot.timer = -1.0
             e.speed_done(Step.TIME_COMPILED, None)
+
+
+def _deferred_now(e: Engine, call: Call) -> bool:
+    """With deferred compiles, a live call while nothing is compiled yet is deferred at
+    once: eager serves it. Any other call tries the compiled function, where a frame that
+    would make a new graph runs eagerly instead (``slot.held``)."""
+    if e.deferred is None or call.warmup or len(e.table) > 0:
+        return False
+    defer(e, call)
+    return True
 
 
 def _plan_bucket(e: Engine, call: Call) -> bool:
@@ -614,6 +661,11 @@ def _call_bucket(e: Engine, call: Call) -> Any:
         unmark(marked)
     if failure is not None:
         return recover(e, call, failure)
+    if call.slot.held:  # a frame ran eagerly, on the padded inputs, instead of compiling:
+        call.slot.held = False  # eager answers on the caller's own (a new bucket's first
+        call.slot.end()  # call: two eager runs, no compile)
+        defer(e, call)
+        return eager(e, call, "warming")
     if padded and entry.cuts is None and not e.persisted.reuse(bucketer, plan, entry, out):
         return _verify_bucket(e, call, out)
     if padded:

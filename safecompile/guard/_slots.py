@@ -35,6 +35,7 @@ class Slot(Generic[G]):
         "first",
         "force",
         "fresh",
+        "held",
         "mark",
         "new",
         "seen",
@@ -53,6 +54,7 @@ class Slot(Generic[G]):
         self.first: G | None = None  # the first graph that ran in this call
         self.due: list[G] | None = None  # graphs whose check is due
         self.force = False  # check this call whatever the countdowns say (trials, warmup)
+        self.held = False  # a frame of this call ran eagerly instead of making a new graph
         self.snapshot: Snapshot | None = None  # state before the first graph ran
         self.new: list[G] | None = None  # graphs compiled during this call
         self.fresh: list[Any] | None = None  # graphs' first runs in this call (graphs.FirstRun)

@@ -3,27 +3,18 @@ modules guarded in place, and the guarded callable it returns."""
 
 from __future__ import annotations
 
-import atexit
-import contextlib
 import dataclasses
 import functools
 import inspect
-import os
-import threading
-import time
 import types
-import weakref
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from safecompile.base import torchcompat
 from safecompile.base.errors import ConfigError
-from safecompile.base.model import EventKind
 from safecompile.base.options import Options
-from safecompile.base.policies import Buckets, Warmup
-from safecompile.observe.log import torch_missing
+from safecompile.base.policies import Buckets
 from safecompile.observe.telemetry import Telemetry
 from safecompile.persist.remote import activate as activate_remote_cache
 from safecompile.shapes.buckets import Bucketer, Strategy, resolve_strategy
@@ -171,7 +162,7 @@ def _guard(target: Any, *, opts: Options, strategy: Strategy | None, fleet: Flee
     controller = _controller(name, target, opts, strategy, fleet, module=None)
     guarded = functools.update_wrapper(entrypoint(controller._engine), target)
     guarded.safecompile = controller  # type: ignore[attr-defined]
-    _start_warmup(controller, opts.warmup)
+    controller._start_warmup()
     return guarded
 
 
@@ -194,7 +185,7 @@ def _guard_module(module: M, opts: Options, strategy: Strategy | None, fleet: Fl
     # Instance attributes: type, parameters, buffers and state_dict() keys stay as they are.
     object.__setattr__(module, "forward", _ModuleForward(controller, forward))
     object.__setattr__(module, "safecompile", controller)
-    _start_warmup(controller, opts.warmup)
+    controller._start_warmup()
     return module
 
 
@@ -235,69 +226,3 @@ def _controller(
         peers=peers,
     )
     return Controller(engine)
-
-
-def _start_warmup(controller: Controller, warmup: Warmup | None) -> None:
-    """Warm up now, or on a worker thread while eager serves (``Warmup(background=)``).
-
-    The worker lowers its own priority to ``warmup.nice`` first, so live calls keep the
-    CPU. inductor traces one helper module with ``torch.fx.symbolic_trace`` the first time
-    it lowers a graph, which patches ``nn.Module.__call__`` process-wide while it runs:
-    that one-time trace is done here, before any live call can overlap it.
-    """
-    if warmup is None:
-        return
-    grad = torch.is_grad_enabled()
-
-    def run() -> None:
-        with torch.set_grad_enabled(grad):
-            for example in warmup.resolve():
-                controller.warmup(*example)
-
-    if not warmup.background:
-        run()
-        return
-    e = controller._engine
-    if e.opts.backend_label == "inductor":
-        with contextlib.suppress(Exception):  # another torch: nothing to close
-            closed = torchcompat.close_symbolic_trace_window()
-            if closed is not None:
-                torch_missing(closed)
-    e.background_warmup(pending=True)
-
-    def work() -> None:
-        try:
-            if warmup.nice:
-                _lower_priority(warmup.nice)
-            run()
-        except Exception as exc:
-            e.say_error(EventKind.WARMUP_FAILED, exc)  # eager keeps serving
-        finally:
-            e.background_warmup(pending=False)
-
-    worker = threading.Thread(target=work, name=f"safecompile-warmup:{e.name}", daemon=True)
-    _WORKERS.add(worker)
-    worker.start()
-
-
-#: Seconds the interpreter's exit waits, in all, for warmup threads still running.
-EXIT_WAIT_S = 10.0
-_WORKERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
-
-
-@atexit.register
-def _join_workers(timeout: float = EXIT_WAIT_S) -> None:
-    """At exit, give running warmup threads up to ``timeout`` seconds to end: torch's C++
-    frames turn the unwind of a daemon thread still inside torch at finalisation into
-    ``std::terminate`` (the process aborts)."""
-    deadline = time.monotonic() + timeout
-    for worker in list(_WORKERS):
-        worker.join(max(0.0, deadline - time.monotonic()))
-
-
-def _lower_priority(nice: int) -> None:
-    """Raise this thread's niceness to ``nice`` (Linux: per thread; it cannot be lowered
-    back unprivileged, so only a thread of its own calls this)."""
-    with contextlib.suppress(AttributeError, OSError):  # not POSIX, or a sandbox forbids it
-        me = threading.get_native_id()
-        os.setpriority(os.PRIO_PROCESS, me, max(os.getpriority(os.PRIO_PROCESS, me), nice))

@@ -1,0 +1,65 @@
+"""Threads that compile off the request path: background warmups and deferred compiles.
+
+Each runs at a lowered CPU priority (its own: on Linux niceness is per thread, and it
+cannot be raised back unprivileged, so only a thread of its own lowers it), and the
+interpreter's exit waits a little for those still running.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+
+__all__ = ["EXIT_WAIT_S", "lower_priority", "running", "start"]
+
+#: Seconds the interpreter's exit waits, in all, for compiling threads still running.
+EXIT_WAIT_S = 10.0
+_WORKERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+
+
+def start(name: str, work: Callable[[], None], *, nice: int | None) -> threading.Thread:
+    """Run ``work`` on a daemon thread whose priority is lowered to ``nice`` first."""
+
+    def run() -> None:
+        if nice:
+            lower_priority(nice)
+        work()
+
+    worker = threading.Thread(target=run, name=name, daemon=True)
+    _WORKERS.add(worker)
+    worker.start()
+    return worker
+
+
+@atexit.register
+def _join_workers(timeout: float = EXIT_WAIT_S) -> None:
+    """At exit, give running workers up to ``timeout`` seconds to end: torch's C++ frames
+    turn the unwind of a daemon thread still inside torch at finalisation into
+    ``std::terminate`` (the process aborts)."""
+    deadline = time.monotonic() + timeout
+    for worker in list(_WORKERS):
+        worker.join(max(0.0, deadline - time.monotonic()))
+
+
+@contextlib.contextmanager
+def running() -> Iterator[None]:
+    """A long-lived worker compiles while the block runs: the exit waits for it then."""
+    me = threading.current_thread()
+    _WORKERS.add(me)
+    try:
+        yield
+    finally:
+        _WORKERS.discard(me)
+
+
+def lower_priority(nice: int) -> None:
+    """Raise this thread's niceness to ``nice`` (Linux: per thread; it cannot be lowered
+    back unprivileged, so only a thread of its own calls this)."""
+    with contextlib.suppress(AttributeError, OSError):  # not POSIX, or a sandbox forbids it
+        me = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, me, max(os.getpriority(os.PRIO_PROCESS, me), nice))
