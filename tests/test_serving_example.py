@@ -240,7 +240,8 @@ def test_fault_lands_on_the_compiled_path_that_serves(
     report = status(client)
     assert report["stats"]["compiled_calls"] - before["compiled_calls"] == 3
     assert report["stats"]["eager_calls"] == before["eager_calls"]
-    assert report["state"] == "compiled"
+    # compiled graphs serve: the warmup's other buckets may still be in their canary
+    assert report["state"] in {"canary", "compiled"}
     assert report["warm"]
     assert ready(client)["ready"]
 
