@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -430,3 +431,70 @@ def test_a_new_process_loads_inductor_graphs_without_tracing(tmp_path: Path) -> 
     assert (warm["graphs"], warm["compiled_calls"]) == (1, 1)
     assert warm["checks"] == 2  # the warmup call and the first live call, both passed
     assert warm["state"] == "canary"
+
+
+REPLICA = """
+import json, sys
+sys.path[:0] = [{here!r}, {repo!r}]
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor import cpp_builder
+from structlog.testing import capture_logs
+import usercode
+from safecompile import Warmup, safe_compile
+
+builds = []  # every C++ compile or link inductor starts in this process
+build = cpp_builder.CppBuilder.build
+def counted(self):
+    builds.append(self.get_target_file_path())
+    return build(self)
+cpp_builder.CppBuilder.build = counted
+
+m = usercode.Net().eval()
+with torch.no_grad(), capture_logs() as logs:
+    g = safe_compile(m, backend="inductor", warmup=Warmup(inputs=[(usercode.X,)]))
+    torch.testing.assert_close(g(usercode.X), m(usercode.X))
+events = [e for e in logs if e["event"] == "safecompile.precompiled"]
+print(json.dumps({{"frames": counters["frames"]["total"], "builds": builds,
+                  "state": g.safecompile.state.value, "events": events}}, default=str))
+"""
+
+
+@needs_precompile
+@pytest.mark.inductor
+def test_a_replica_with_an_empty_disk_builds_no_kernel(tmp_path: Path) -> None:
+    """The store a first process filled, copied without torch's own caches (an image's
+    prebuilt store, or what Redis holds): the replica neither traces nor builds any C++,
+    and says its kernels were shipped; on another machine it would build them."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "usercode.py").write_text(textwrap.dedent(USERCODE))
+    built, replica = tmp_path / "built", tmp_path / "replica"
+
+    def run(cache: Path) -> dict[str, Any]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}
+        env["SAFECOMPILE_CACHE_DIR"] = str(cache)
+        script = REPLICA.format(here=str(code), repo=str(REPO))
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        return result
+
+    first = run(built)
+    assert first["frames"] > 0
+    assert first["builds"]
+    shutil.copytree(built, replica, ignore=lambda d, names: ["torch"] if d == str(built) else [])
+    assert not (replica / "torch").exists()
+    second = run(replica)
+    assert second["frames"] == 0
+    assert second["builds"] == []
+    assert second["state"] in ("canary", "compiled")
+    (loaded,) = [e for e in second["events"] if e["outcome"] == "loaded"]
+    assert "C++ kernel(s) shipped, not built" in loaded["reason"]

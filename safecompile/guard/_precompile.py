@@ -6,7 +6,9 @@ under ``SAFECOMPILE_CACHE_DIR`` and in the remote tier. A new process loads them
 first compile and runs a call that passes one's guards through it, wrapped like a traced
 graph; anything else takes today's path, with one ``safecompile.precompiled`` event. A torch
 that cannot precompile (``torchcompat.compiled_function_loader``) traces every restart.
-Inductor's vector-ISA checks that passed are kept the same way, so a restart skips them.
+Inductor's vector-ISA checks that passed are kept the same way, so a restart skips them,
+and so are the C++ kernels a function's graphs load (``persist/kernels.py``), so a replica
+with an empty disk builds none.
 """
 
 from __future__ import annotations
@@ -21,12 +23,15 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from safecompile.base import torchcompat
 from safecompile.observe.log import Once, log_event, torch_missing
+from safecompile.persist import kernels
 from safecompile.persist.bounded import read_file
 from safecompile.persist.cache import (
     Verdict,
@@ -101,6 +106,7 @@ class Precompiled:
         self._loaded: tuple[Any, ...] = ()
         self._traced: Callable[..., Any] | None = None
         self._saved: dict[str, dict[str, Any]] = {}  # file name -> its index entry
+        self._shipped: set[str] = set()  # kernel files this process saved under its key
         self._said = Once()
 
     def serving(self, traced: Callable[..., Any]) -> Callable[..., Any]:
@@ -192,6 +198,37 @@ class Precompiled:
         record = code_record(inlined, recorded, scope)
         data: bytes = type(saved).serialize(saved, self._external).serialized_data
         file = f"{hashlib.sha256(data).hexdigest()[:32]}.bin"
+        self._put(key, file, data)
+        entry = dataclasses.asdict(facts[0]) | {"file": file, "code": record}
+        self._saved[file] = entry | (self._ship_kernels(key, saved) if self._inductor else {})
+        return saved
+
+    def _ship_kernels(self, key: str, saved: Any) -> dict[str, Any]:
+        """The C++ libraries ``saved``'s graphs load, saved sealed beside it: what its index
+        entry lists (``{}``: none shipped, and an event says why)."""
+        libraries = torchcompat.kernel_libraries(saved)
+        root = torchcompat.inductor_cache_dir()
+        if isinstance(libraries, torchcompat.Missing) or isinstance(root, torchcompat.Missing):
+            missing = libraries if isinstance(libraries, torchcompat.Missing) else root
+            assert isinstance(missing, torchcompat.Missing)
+            self._event("kernels_not_saved", f"{missing.name}: {missing.effect}", logging.INFO)
+            return {}
+        listed: list[dict[str, str]] = []
+        for path in libraries:
+            rel = kernels.relative(root, path)
+            data = kernels.read(path) if rel is not None else None
+            if rel is None or data is None or len(data) > kernels.MAX_BYTES:
+                reason = f"{path}: not a library in inductor's cache, or unreadable"
+                self._event("kernels_not_saved", reason, logging.INFO)
+                return {}
+            file = kernels.blob_name(data)
+            if file not in self._shipped:
+                self._put(key, file, data)
+                self._shipped.add(file)
+            listed.append({"path": rel, "file": file})
+        return {"kernels": listed, "kernels_for": kernels.machine()}
+
+    def _put(self, key: str, file: str, data: bytes) -> None:
         assert self._signer is not None
         assert self._dir is not None
         assert self._store is not None
@@ -200,8 +237,6 @@ class Precompiled:
         shared = remote is not None and remote.put_blob(key, file, sealed)
         if not _write_atomic(self._dir / key / file, sealed) and not shared:
             raise OSError("written neither to the cache dir nor to the remote tier")
-        self._saved[file] = dataclasses.asdict(facts[0]) | {"file": file, "code": record}
-        return saved
 
     def load(self, args: tuple[Any, ...], kwargs: dict[str, Any], adopt: Adopt) -> None:
         """Once per process, before the first compile: load what an earlier one saved."""
@@ -220,6 +255,7 @@ class Precompiled:
             self._missing(key)
             return
         loaded = []
+        built: list[int] = []  # the kernels installed, not built, per graph loaded
         stale: list[str] = []
         for entry in verdict.details.get("graphs", []):
             reasons = stale_reasons(entry, self._top.__globals__)
@@ -227,7 +263,7 @@ class Precompiled:
                 stale.extend(r for r in reasons if r not in stale)
                 continue
             try:
-                loaded.append(self._load_one(key, entry, adopt))
+                loaded.append(self._load_one(key, entry, adopt, built))
                 self._saved[str(entry["file"])] = entry  # kept when this process saves more
             except Exception as exc:  # unsigned, tampered, another torch, not loadable
                 self._event("not_loaded", f"{type(exc).__name__}: {exc}", logging.WARNING)
@@ -237,6 +273,7 @@ class Precompiled:
             self._event("stale", _stale_text(stale), logging.INFO)
         if loaded:
             reason = f"{len(loaded)} graph(s) loaded, not traced"
+            reason += f"; {sum(built)} C++ kernel(s) shipped, not built" if sum(built) else ""
             log_event("safecompile.precompiled", outcome="loaded", reason=reason)
 
     def _missing(self, key: str | None) -> None:
@@ -256,21 +293,21 @@ class Precompiled:
         else:
             self._event("missing", "nothing saved for this key: traced as usual", logging.INFO)
 
-    def _load_one(self, key: str, entry: dict[str, Any], adopt: Adopt) -> Any:
-        file = str(entry["file"])  # a name this module made: the index is signed
-        assert self._signer is not None
-        assert self._dir is not None
-        assert self._store is not None
+    def _load_one(self, key: str, entry: dict[str, Any], adopt: Adopt, built: list[int]) -> Any:
         assert self._load_fn is not None
-        sealed = read_file(self._dir / key / file, limit=MAX_BYTES, timeout=READ_TIMEOUT_S)
-        if sealed is None and self._store.remote is not None:
-            sealed = self._store.remote.get_blob(key, file)
-        if sealed is None or len(sealed) > MAX_BYTES:
-            raise FileNotFoundError(f"{file}: not found, or larger than {MAX_BYTES} bytes")
-        data = self._signer.unseal(PURPOSE, f"{key}/{file}", sealed)  # before unpickling
-        fn = self._load_fn(
-            io.BytesIO(data), f_globals=self._top.__globals__, external_data=self._external
+        data = self._get(key, str(entry["file"]), MAX_BYTES)  # a name this module made
+        installed = self._install_kernels(key, entry)
+        root = torchcompat.inductor_cache_dir() if installed else None
+        headers = (  # every kernel is there: none is built, so no header is precompiled
+            torchcompat.headers_not_precompiled(os.path.join(root, "safecompile-headers"))
+            if isinstance(root, str)
+            else nullcontext()
         )
+        with headers:
+            fn = self._load_fn(
+                io.BytesIO(data), f_globals=self._top.__globals__, external_data=self._external
+            )
+        built.append(installed)
         fields = {f: entry[f] for f in ("label", "code", "unchecked", "mutates")}
         facts = GraphFacts(**fields, effects=())
         wrapped = torchcompat.precompiled_rewrapped(fn, lambda graph: adopt(graph, facts))
@@ -278,6 +315,45 @@ class Precompiled:
             torch_missing(wrapped)
             raise LookupError(wrapped.name)
         return wrapped
+
+    def _get(self, key: str, file: str, limit: int) -> bytes:
+        """A file :meth:`_put` saved, from the cache dir or the remote tier, unsealed."""
+        assert self._signer is not None
+        assert self._dir is not None
+        assert self._store is not None
+        sealed = read_file(self._dir / key / file, limit=limit, timeout=READ_TIMEOUT_S)
+        if sealed is None and self._store.remote is not None:
+            sealed = self._store.remote.get_blob(key, file, limit)
+        if sealed is None or len(sealed) > limit:
+            raise FileNotFoundError(f"{file}: not found, or larger than {limit} bytes")
+        return self._signer.unseal(PURPOSE, f"{key}/{file}", sealed)  # before it is used
+
+    def _install_kernels(self, key: str, entry: dict[str, Any]) -> int:
+        """The C++ kernels saved with ``entry``, written where inductor looks for them: how
+        many (0: none was saved, they were built for another machine, or one is missing,
+        and this process builds those its graphs need)."""
+        listed = entry.get("kernels")
+        if not listed:
+            return 0
+        if entry.get("kernels_for") != kernels.machine():
+            reason = "built for another CPU, compiler, torch or Python: this process builds them"
+            self._event("kernels_built_here", reason, logging.INFO)
+            return 0
+        root = torchcompat.inductor_cache_dir()
+        try:
+            if isinstance(root, torchcompat.Missing):
+                raise LookupError(f"{root.name}: {root.effect}")
+            for item in listed:
+                rel = str(item["path"])
+                if not (Path(root) / rel).exists():
+                    data = self._get(key, str(item["file"]), kernels.MAX_BYTES)
+                    if not kernels.install(root, rel, data):
+                        raise OSError(f"{rel}: cannot be written under {root}")
+        except Exception as exc:  # unsigned, tampered, gone from Redis: built here instead
+            reason = f"{type(exc).__name__}: {exc}; this process builds them"
+            self._event("kernels_built_here", reason, logging.WARNING)
+            return 0
+        return len(listed)
 
     def forget(self) -> None:
         """``reset()``: serve nothing loaded, and delete what this key saved."""
