@@ -22,7 +22,7 @@ import torch
 from structlog.testing import capture_logs
 from torch._dynamo.utils import counters
 
-from safecompile import Shadow, State, Warmup, safe_compile
+from safecompile import Buckets, Shadow, State, Warmup, safe_compile
 from safecompile.base import torchcompat
 from safecompile.guard import _precompile
 from safecompile.guard._precompile import ISA_SCOPE, IsaChecks, _isa_key
@@ -173,6 +173,46 @@ def test_a_call_no_loaded_guard_matches_is_traced(cache_dir: Path) -> None:
     assert g.safecompile.stats().graphs == 3
 
 
+def rows(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x) * 2 + x.sum(0)
+
+
+@needs_precompile
+def test_dynamic_ranges_are_saved_as_ranges(cache_dir: Path) -> None:
+    """Buckets(strategy="dynamic"): each range is saved marked dynamic, so a restart
+    serves a length of a range the warmup never called without tracing."""
+    buckets = Buckets(dims={"x": 0}, sizes=[4, 16], strategy="dynamic")
+    example = (torch.randn(16, 8),)
+    guard(rows, buckets=buckets, warmup=Warmup(inputs=[example]))
+    with capture_logs() as logs:
+        g = guard(rows, buckets=buckets, warmup=Warmup(inputs=[example]))
+        before = traced()
+        for n in (1, 3, 9, 13, 16):
+            y = torch.randn(n, 8)
+            torch.testing.assert_close(g(y), rows(y))
+    assert traced() == before
+    assert outcomes(logs) == ["loaded"]
+
+
+def breaks(x: torch.Tensor) -> torch.Tensor:
+    y = torch.relu(x)
+    torch._dynamo.graph_break()
+    return y * 2
+
+
+@needs_precompile
+def test_a_graph_break_says_it_is_not_saved_and_where(cache_dir: Path) -> None:
+    """torch precompiles whole graphs only: the event names the cause and the line."""
+    with capture_logs() as logs:
+        g = guard(breaks)
+        torch.testing.assert_close(g(X), breaks(X))
+    (event,) = [e for e in logs if e.get("outcome") == "not_saved"]
+    assert event["cause"] == "graph_break"
+    line = breaks.__code__.co_firstlineno + 2
+    assert f"test_precompile.py:{line}" in event["reason"]
+    assert saved_files(cache_dir) == []
+
+
 def plain(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
     return gm.forward
 
@@ -184,6 +224,7 @@ def test_what_cannot_be_saved_is_said_once(cache_dir: Path) -> None:
         guard(backend=plain, warmup=Warmup(inputs=[(X,), (torch.randn(4, 8),)]))
     assert outcomes(logs) == ["missing", "not_saved"]
     assert "SerializableCallable" in [e for e in logs if "outcome" in e][1]["reason"]
+    assert [e for e in logs if "outcome" in e][1]["cause"] == "not_serializable"
     assert saved_files(cache_dir) == []
 
 

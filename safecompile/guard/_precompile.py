@@ -30,7 +30,9 @@ from typing import Any
 import torch
 
 from safecompile.base import torchcompat
+from safecompile.observe.explain import explain
 from safecompile.observe.log import Once, log_event, torch_missing
+from safecompile.observe.source import location_of_error
 from safecompile.persist import kernels
 from safecompile.persist.bounded import read_file
 from safecompile.persist.cache import (
@@ -42,7 +44,8 @@ from safecompile.persist.cache import (
 )
 from safecompile.persist.restart import Persisted
 from safecompile.persist.sources import code_record, describe_global, stale_reasons
-from safecompile.shapes.table import BucketStatus, BucketTable
+from safecompile.shapes.buckets import Plan
+from safecompile.shapes.table import BucketStatus, BucketTable, unmark
 
 from .graphs import GraphFacts, read_facts
 
@@ -119,13 +122,17 @@ class Precompiled:
             if fn.guard_check(*args, **kwargs):
                 return fn.fn(*args, **kwargs)
         if self._loaded:
+            found = _unmarked_match(self._loaded, args, kwargs)
+            if found is not None:
+                return found.fn(*args, **kwargs)
             self._event("no_guard_matched", "this call is traced as usual", logging.INFO)
         assert self._traced is not None  # serving() came first
         return self._traced(*args, **kwargs)
 
     def save(self, calls: list[Args], name: str, buckets: BucketTable | None) -> None:
         """After a warmup that passed: each warm signature, as the compiled function got
-        it (padded; a rejected bucket's left out), precompiled and saved."""
+        it (padded, or marked dynamic over its range; a rejected bucket's left out),
+        precompiled and saved."""
         key, store = self._key, self._store
         if store is None or key is None:
             return
@@ -134,17 +141,21 @@ class Precompiled:
             return
         made: list[Any] = []
         for call in calls:
-            padded = _as_compiled(call, buckets)
-            if padded is None:
+            compiled = _as_compiled(call, buckets)
+            if compiled is None:
                 continue  # a rejected bucket: it runs eager
-            args, kwargs = padded
+            (args, kwargs), plan = compiled
             if any(f.guard_check(*args, **kwargs) for f in (*self._loaded, *made)):
                 continue  # loaded, or saved by an earlier call of this warmup
+            marked = buckets.mark_range(plan, args, kwargs) if buckets and plan else []
             try:
                 made.append(self._save_one(key, args, kwargs))
             except Exception as exc:  # a graph break, a backend torch cannot serialize...
-                self._event("not_saved", f"{type(exc).__name__}: {exc}", logging.INFO)
+                cause, reason = _not_saved(exc, self._top)
+                self._event("not_saved", reason, logging.INFO, cause=cause)
                 break  # the other signatures would most likely fail the same way
+            finally:
+                unmark(marked)
         if made:
             graphs = list(self._saved.values())
             verdict = Verdict(kind=PURPOSE, time=time.time(), name=name, details={"graphs": graphs})
@@ -189,11 +200,13 @@ class Precompiled:
             self._top, fullgraph=True, backend=backend, dynamic=self._dynamic, options=options
         )
         saved = fn.aot_compile((args, kwargs))
-        if facts[0].effects or read:  # updates to find again at run time, or global values
-            raise ValueError(f"it updates Python objects or reads globals {read[:3]}")
+        if facts[0].effects:  # updates to find again at run time
+            raise NotSaved("python_side_effects", "it updates Python objects")
+        if read:  # global values no record checks
+            raise NotSaved("global_read", f"it reads globals no record checks: {read[:3]}")
         inlined = torchcompat.inlined_sources(saved)
-        if isinstance(inlined, torchcompat.Missing):
-            raise LookupError(inlined.name)  # what it came from could not be checked
+        if isinstance(inlined, torchcompat.Missing):  # what it came from cannot be checked
+            raise NotSaved("untracked_code", f"{inlined.name}: {inlined.effect}")
         scope = str(self._top.__globals__.get("__name__"))
         record = code_record(inlined, recorded, scope)
         data: bytes = type(saved).serialize(saved, self._external).serialized_data
@@ -363,9 +376,38 @@ class Precompiled:
             for path in (self._dir / self._key).glob("*.bin"):
                 path.unlink(missing_ok=True)
 
-    def _event(self, outcome: str, reason: str, level: int) -> None:  # once per outcome
-        if self._said.first(outcome):
-            log_event("safecompile.precompiled", level=level, outcome=outcome, reason=reason)
+    def _event(self, outcome: str, reason: str, level: int, **fields: Any) -> None:
+        if self._said.first(outcome):  # once per outcome
+            log_event(
+                "safecompile.precompiled", level=level, outcome=outcome, reason=reason, **fields
+            )
+
+
+class NotSaved(Exception):
+    """A warm signature that is compiled but not saved, and why (``cause``: one word)."""
+
+    def __init__(self, cause: str, reason: str) -> None:
+        super().__init__(reason)
+        self.cause = cause
+
+
+def _not_saved(exc: Exception, fn: Callable[..., Any]) -> tuple[str, str]:
+    """The ``cause`` and ``reason`` of a ``not_saved`` event: ``graph_break`` (torch
+    precompiles whole graphs only), ``not_serializable`` (a backend's result torch cannot
+    save), ``python_side_effects``, ``global_read``, ``untracked_code`` or ``error``."""
+    if isinstance(exc, NotSaved):
+        return exc.cause, f"{exc}: this signature is traced at every start"
+    said = explain(exc, location_of_error(exc, fn)[0])
+    if said.kind == "graph_break":
+        location, _ = location_of_error(exc, fn)
+        where = f" at {os.path.basename(location.file)}:{location.line}" if location else ""
+        reason = (
+            f"{said.summary}{where}: torch precompiles whole graphs only, so this "
+            "signature is traced at every start"
+        )
+        return "graph_break", reason
+    cause = "not_serializable" if "SerializableCallable" in str(exc) else "error"
+    return cause, f"{type(exc).__name__}: {exc}"
 
 
 class IsaChecks:
@@ -431,11 +473,38 @@ def _stale_text(reasons: list[str]) -> str:
     return f"saved from other code ({shown}): traced afresh (saved again after a warmup)"
 
 
-def _as_compiled(call: Args, buckets: BucketTable | None) -> Args | None:
-    """A warm call's arguments as the compiled function got them (``None``: it did not)."""
+def _unmarked_match(loaded: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The loaded function whose guards pass the call with its tensors' dynamic marks
+    left out (a dynamic range's first call arrives marked for dynamo to trace it so; a
+    saved function's guards refuse a mark), or ``None``."""
+    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    marked = [(t, {m: getattr(t, m) for m in _MARKS if hasattr(t, m)}) for t in tensors]
+    marked = [(t, marks) for t, marks in marked if marks]
+    if not marked:
+        return None
+    try:
+        for tensor, marks in marked:
+            for name in marks:
+                delattr(tensor, name)
+        return next((fn for fn in loaded if fn.guard_check(*args, **kwargs)), None)
+    finally:
+        for tensor, marks in marked:
+            for name, value in marks.items():
+                setattr(tensor, name, value)
+
+
+_MARKS = torchcompat.DYNAMIC_MARKS
+
+
+def _as_compiled(call: Args, buckets: BucketTable | None) -> tuple[Args, Plan | None] | None:
+    """A warm call's arguments as the compiled function got them, and with
+    ``strategy="dynamic"`` the plan whose range to mark on them (``None``: it did not get
+    them, a rejected bucket)."""
     plan = buckets.bucketer.plan(*call) if buckets is not None else None
     if buckets is None or plan is None or plan.status != "bucketed":
-        return call
+        return call, None
     if buckets.entry(plan).status is BucketStatus.REJECTED:
         return None
-    return buckets.bucketer.pad(plan, *call)
+    if not buckets.pads:
+        return call, plan
+    return buckets.bucketer.pad(plan, *call), None
