@@ -483,7 +483,10 @@ from torch._inductor import cpp_builder
 from structlog.testing import capture_logs
 import usercode
 from safecompile import Warmup, safe_compile
+from safecompile.persist import kernels
 
+if {other_cpu!r}:  # as if on another machine: the kernels shipped are not for this one
+    kernels._cpu = lambda: "another CPU"
 builds = []  # every C++ compile or link inductor starts in this process
 build = cpp_builder.CppBuilder.build
 def counted(self):
@@ -506,16 +509,16 @@ print(json.dumps({{"frames": counters["frames"]["total"], "builds": builds,
 def test_a_replica_with_an_empty_disk_builds_no_kernel(tmp_path: Path) -> None:
     """The store a first process filled, copied without torch's own caches (an image's
     prebuilt store, or what Redis holds): the replica neither traces nor builds any C++,
-    and says its kernels were shipped; on another machine it would build them."""
+    and says its kernels were shipped; on another CPU it builds them, and says why."""
     code = tmp_path / "code"
     code.mkdir()
     (code / "usercode.py").write_text(textwrap.dedent(USERCODE))
     built, replica = tmp_path / "built", tmp_path / "replica"
 
-    def run(cache: Path) -> dict[str, Any]:
+    def run(cache: Path, other_cpu: bool = False) -> dict[str, Any]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}
         env["SAFECOMPILE_CACHE_DIR"] = str(cache)
-        script = REPLICA.format(here=str(code), repo=str(REPO))
+        script = REPLICA.format(here=str(code), repo=str(REPO), other_cpu=other_cpu)
         done = subprocess.run(
             [sys.executable, "-c", script],
             env=env,
@@ -531,11 +534,17 @@ def test_a_replica_with_an_empty_disk_builds_no_kernel(tmp_path: Path) -> None:
     first = run(built)
     assert first["frames"] > 0
     assert first["builds"]
-    shutil.copytree(built, replica, ignore=lambda d, names: ["torch"] if d == str(built) else [])
+    top = str(built)  # its torch/ alone: torch's own caches
+    shutil.copytree(built, replica, ignore=lambda d, names: ["torch"] if d == top else [])
     assert not (replica / "torch").exists()
+    shutil.copytree(replica, tmp_path / "elsewhere")
     second = run(replica)
     assert second["frames"] == 0
     assert second["builds"] == []
     assert second["state"] in ("canary", "compiled")
     (loaded,) = [e for e in second["events"] if e["outcome"] == "loaded"]
     assert "C++ kernel(s) shipped, not built" in loaded["reason"]
+    other = run(tmp_path / "elsewhere", other_cpu=True)
+    assert other["frames"] == 0
+    assert any(path.endswith(".so") for path in other["builds"])
+    assert "kernels_built_here" in [e["outcome"] for e in other["events"]]
