@@ -19,7 +19,7 @@ CPU vector-ISA checks (ten small C++ programs built and loaded, once per process
 inside the clock, as in a real replica: a cold one pays them, the second replica reads
 the checks the first one passed from Redis (signed; per CPU, compiler and torch), a
 restart from its cache dir. ``--isa-first`` runs them before the clock instead (the
-"ISA probe" column), leaving them out of every scenario. Target: second replica <= 25%
+"ISA probe" column), leaving them out of every scenario. Target: second replica <= 10%
 of cold.
 
     python bench/remote_cache.py                    # ~4-6 min on 2 idle cores

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -21,7 +22,7 @@ import torch
 from structlog.testing import capture_logs
 from torch._dynamo.utils import counters
 
-from safecompile import Shadow, State, Warmup, safe_compile
+from safecompile import Buckets, Shadow, State, Warmup, safe_compile
 from safecompile.base import torchcompat
 from safecompile.guard import _precompile
 from safecompile.guard._precompile import ISA_SCOPE, IsaChecks, _isa_key
@@ -172,6 +173,46 @@ def test_a_call_no_loaded_guard_matches_is_traced(cache_dir: Path) -> None:
     assert g.safecompile.stats().graphs == 3
 
 
+def rows(x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x) * 2 + x.sum(0)
+
+
+@needs_precompile
+def test_dynamic_ranges_are_saved_as_ranges(cache_dir: Path) -> None:
+    """Buckets(strategy="dynamic"): each range is saved marked dynamic, so a restart
+    serves a length of a range the warmup never called without tracing."""
+    buckets = Buckets(dims={"x": 0}, sizes=[4, 16], strategy="dynamic")
+    example = (torch.randn(16, 8),)
+    guard(rows, buckets=buckets, warmup=Warmup(inputs=[example]))
+    with capture_logs() as logs:
+        g = guard(rows, buckets=buckets, warmup=Warmup(inputs=[example]))
+        before = traced()
+        for n in (1, 3, 9, 13, 16):
+            y = torch.randn(n, 8)
+            torch.testing.assert_close(g(y), rows(y))
+    assert traced() == before
+    assert outcomes(logs) == ["loaded"]
+
+
+def breaks(x: torch.Tensor) -> torch.Tensor:
+    y = torch.relu(x)
+    torch._dynamo.graph_break()
+    return y * 2
+
+
+@needs_precompile
+def test_a_graph_break_says_it_is_not_saved_and_where(cache_dir: Path) -> None:
+    """torch precompiles whole graphs only: the event names the cause and the line."""
+    with capture_logs() as logs:
+        g = guard(breaks)
+        torch.testing.assert_close(g(X), breaks(X))
+    (event,) = [e for e in logs if e.get("outcome") == "not_saved"]
+    assert event["cause"] == "graph_break"
+    line = breaks.__code__.co_firstlineno + 2
+    assert f"test_precompile.py:{line}" in event["reason"]
+    assert saved_files(cache_dir) == []
+
+
 def plain(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
     return gm.forward
 
@@ -183,6 +224,7 @@ def test_what_cannot_be_saved_is_said_once(cache_dir: Path) -> None:
         guard(backend=plain, warmup=Warmup(inputs=[(X,), (torch.randn(4, 8),)]))
     assert outcomes(logs) == ["missing", "not_saved"]
     assert "SerializableCallable" in [e for e in logs if "outcome" in e][1]["reason"]
+    assert [e for e in logs if "outcome" in e][1]["cause"] == "not_serializable"
     assert saved_files(cache_dir) == []
 
 
@@ -430,3 +472,79 @@ def test_a_new_process_loads_inductor_graphs_without_tracing(tmp_path: Path) -> 
     assert (warm["graphs"], warm["compiled_calls"]) == (1, 1)
     assert warm["checks"] == 2  # the warmup call and the first live call, both passed
     assert warm["state"] == "canary"
+
+
+REPLICA = """
+import json, sys
+sys.path[:0] = [{here!r}, {repo!r}]
+import torch
+from torch._dynamo.utils import counters
+from torch._inductor import cpp_builder
+from structlog.testing import capture_logs
+import usercode
+from safecompile import Warmup, safe_compile
+from safecompile.persist import kernels
+
+if {other_cpu!r}:  # as if on another machine: the kernels shipped are not for this one
+    kernels._cpu = lambda: "another CPU"
+builds = []  # every C++ compile or link inductor starts in this process
+build = cpp_builder.CppBuilder.build
+def counted(self):
+    builds.append(self.get_target_file_path())
+    return build(self)
+cpp_builder.CppBuilder.build = counted
+
+m = usercode.Net().eval()
+with torch.no_grad(), capture_logs() as logs:
+    g = safe_compile(m, backend="inductor", warmup=Warmup(inputs=[(usercode.X,)]))
+    torch.testing.assert_close(g(usercode.X), m(usercode.X))
+events = [e for e in logs if e["event"] == "safecompile.precompiled"]
+print(json.dumps({{"frames": counters["frames"]["total"], "builds": builds,
+                  "state": g.safecompile.state.value, "events": events}}, default=str))
+"""
+
+
+@needs_precompile
+@pytest.mark.inductor
+def test_a_replica_with_an_empty_disk_builds_no_kernel(tmp_path: Path) -> None:
+    """The store a first process filled, copied without torch's own caches (an image's
+    prebuilt store, or what Redis holds): the replica neither traces nor builds any C++,
+    and says its kernels were shipped; on another CPU it builds them, and says why."""
+    code = tmp_path / "code"
+    code.mkdir()
+    (code / "usercode.py").write_text(textwrap.dedent(USERCODE))
+    built, replica = tmp_path / "built", tmp_path / "replica"
+
+    def run(cache: Path, other_cpu: bool = False) -> dict[str, Any]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}
+        env["SAFECOMPILE_CACHE_DIR"] = str(cache)
+        script = REPLICA.format(here=str(code), repo=str(REPO), other_cpu=other_cpu)
+        done = subprocess.run(
+            [sys.executable, "-c", script],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        return result
+
+    first = run(built)
+    assert first["frames"] > 0
+    assert first["builds"]
+    top = str(built)  # its torch/ alone: torch's own caches
+    shutil.copytree(built, replica, ignore=lambda d, names: ["torch"] if d == top else [])
+    assert not (replica / "torch").exists()
+    shutil.copytree(replica, tmp_path / "elsewhere")
+    second = run(replica)
+    assert second["frames"] == 0
+    assert second["builds"] == []
+    assert second["state"] in ("canary", "compiled")
+    (loaded,) = [e for e in second["events"] if e["outcome"] == "loaded"]
+    assert "C++ kernel(s) shipped, not built" in loaded["reason"]
+    other = run(tmp_path / "elsewhere", other_cpu=True)
+    assert other["frames"] == 0
+    assert any(path.endswith(".so") for path in other["builds"])
+    assert "kernels_built_here" in [e["outcome"] for e in other["events"]]

@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import importlib
 import inspect
 import os
 import sys
+import threading
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -56,11 +58,15 @@ __all__ = [
     "eager_backward",
     "frame_code",
     "graph_line_map",
+    "headers_not_precompiled",
     "hold_new_graphs",
+    "inductor_cache_dir",
     "inductor_options",
     "inlined_sources",
     "is_op_overload",
     "is_tensor_property",
+    "kernel_compiler",
+    "kernel_libraries",
     "lookup",
     "lookup_backend",
     "mark_dynamic",
@@ -650,3 +656,112 @@ def hold_new_graphs(
 
     cell.cell_contents = _Held()
     return None
+
+
+# ---------------------------------------------------------------- built C++ kernels
+
+_KERNELS_EFFECT = "its C++ kernels are not shipped: each process that loads it builds them"
+
+
+def kernel_libraries(saved: Any) -> list[str] | Missing:
+    """The C++ kernel libraries (``.so`` paths, as built in this process) that the compiled
+    graphs of ``saved`` (what ``aot_compile`` returned) load; ``[]`` for graphs that are not
+    inductor's. checked: 2.13.0 (``_artifacts.compiled_fn.compiled_fn.serialize()`` is a
+    ``BundledAOTAutogradResult``; ``compiled_fw``/``compiled_bw`` ``.result`` a
+    ``CompiledFxGraph`` whose module ``PyCodeCache`` loaded from ``get_path(cache_key,
+    "py")``; its CPU kernels are ``cpp_pybinding``'s: builtins of an extension module whose
+    ``__file__`` is the library)"""
+    compiled = getattr(getattr(saved, "_artifacts", None), "compiled_fn", None)
+    serialize = getattr(getattr(compiled, "compiled_fn", None), "serialize", None)
+    get_path = lookup("torch._inductor.codecache.get_path")
+    modules = lookup("torch._inductor.codecache.PyCodeCache.modules")
+    graph_type = lookup("torch._inductor.output_code.CompiledFxGraph")
+    missing = Missing("BundledAOTAutogradResult.compiled_fw.result", _KERNELS_EFFECT)
+    if not callable(serialize) or get_path is None or graph_type is None:
+        return missing
+    try:
+        bundled = serialize()
+    except Exception:
+        return missing
+    loaded = {getattr(m, "__file__", None): m for m in modules or ()}
+    found: set[str] = set()
+    for part in (getattr(bundled, "compiled_fw", None), getattr(bundled, "compiled_bw", None)):
+        graph = getattr(part, "result", None)
+        if not isinstance(graph, graph_type):
+            continue  # no backward, or not inductor's graph
+        module = loaded.get(get_path(graph.cache_key, "py")[2])
+        if module is None:
+            return missing
+        for value in vars(module).values():
+            library = getattr(getattr(value, "__self__", None), "__file__", None)
+            if isinstance(value, types.BuiltinFunctionType) and str(library).endswith(".so"):
+                found.add(str(library))
+            elif type(value).__name__ in ("CFuncPtr", "_FuncPtr", "LambdaFuture"):
+                return missing  # a kernel of a kind not found this way
+    return sorted(found)
+
+
+def inductor_cache_dir() -> str | Missing:
+    """inductor's cache directory in this process (``TORCHINDUCTOR_CACHE_DIR``), where it
+    looks for a kernel it built before. checked: 2.13.0"""
+    cache_dir = lookup("torch._inductor.runtime.cache_dir_utils.cache_dir")
+    if not callable(cache_dir):
+        return Missing("torch._inductor.runtime.cache_dir_utils.cache_dir", _KERNELS_EFFECT)
+    return str(cache_dir())
+
+
+def kernel_compiler() -> str:
+    """The C++ compiler inductor builds with, and its version (inductor's own answers,
+    kept for the process). checked: 2.13.0"""
+    compiler = lookup("torch._inductor.cpp_builder.get_cpp_compiler")
+    version = lookup("torch._inductor.cpp_builder.get_compiler_version_info")
+    try:
+        name = compiler()
+        return f"{name}: {version(name)}"
+    except Exception as exc:  # none installed: nothing built here matches a shipped one
+        return f"unavailable ({type(exc).__name__})"
+
+
+_PLAIN_HEADERS = threading.local()  # .directory: this thread loads built kernels
+
+
+@contextlib.contextmanager
+def headers_not_precompiled(directory: str) -> Iterator[Missing | None]:
+    """While this thread loads graphs whose kernels are already built: inductor's header
+    precompile (a preprocessor run and a precompiled-header build, once a process, before
+    it looks for the library it built) is answered with a plain header under ``directory``
+    that includes the same file, so nothing is compiled; a kernel built after all is
+    compiled without the precompiled header. checked: 2.13.0
+    (``codecache._precompile_header(header, cmd_line, **options)`` returns the path given
+    to ``-include``, read only by a build)"""
+    codecache = sys.modules.get("torch._inductor.codecache") or lookup("torch._inductor.codecache")
+    real = getattr(codecache, "_precompile_header", None)
+    if not callable(real):
+        yield Missing("torch._inductor.codecache._precompile_header", "headers are precompiled")
+        return
+    if not getattr(real, "_safecompile_plain", False):
+        codecache._precompile_header = _plain_header(real)  # type: ignore[union-attr]
+    _PLAIN_HEADERS.directory = directory
+    try:
+        yield None
+    finally:
+        _PLAIN_HEADERS.directory = None
+
+
+def _plain_header(real: Callable[..., str]) -> Callable[..., str]:
+    def precompile_header(header: str, *args: Any, **kwargs: Any) -> str:
+        directory = getattr(_PLAIN_HEADERS, "directory", None)
+        if directory is None:  # any other thread, or outside a load: torch's own
+            return real(header, *args, **kwargs)
+        name = hashlib.sha256(header.encode()).hexdigest()[:32]
+        path = os.path.join(directory, f"{name}.h")
+        if not os.path.exists(path):
+            os.makedirs(directory, exist_ok=True)
+            tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(f"#include <{header}>\n")
+            os.replace(tmp, path)
+        return path
+
+    precompile_header._safecompile_plain = True  # type: ignore[attr-defined]
+    return precompile_header

@@ -150,9 +150,9 @@ class Controller:
                         warm_call(e, *bucketer.resize(args, kwargs, lengths))
                     except Exception:  # it cannot take length 1: none will come, skip it
                         continue
+                    calls.append(bucketer.resize(args, kwargs, lengths))
             if not e.trips.tripped:  # every warm call passed its checks
-                pads = e.buckets if e.buckets is not None and e.buckets.pads else None
-                e.precompiled.save(calls, e.name, pads)  # loaded, not traced, next time
+                e.precompiled.save(calls, e.name, e.buckets)  # loaded, not traced, next time
             e.persisted.save_artifacts(e.name)  # torch's artifacts, for a restart
         finally:
             with e.lock:

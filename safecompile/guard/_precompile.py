@@ -6,7 +6,9 @@ under ``SAFECOMPILE_CACHE_DIR`` and in the remote tier. A new process loads them
 first compile and runs a call that passes one's guards through it, wrapped like a traced
 graph; anything else takes today's path, with one ``safecompile.precompiled`` event. A torch
 that cannot precompile (``torchcompat.compiled_function_loader``) traces every restart.
-Inductor's vector-ISA checks that passed are kept the same way, so a restart skips them.
+Inductor's vector-ISA checks that passed are kept the same way, so a restart skips them,
+and so are the C++ kernels a function's graphs load (``persist/kernels.py``), so a replica
+with an empty disk builds none.
 """
 
 from __future__ import annotations
@@ -21,12 +23,17 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from safecompile.base import torchcompat
+from safecompile.observe.explain import explain
 from safecompile.observe.log import Once, log_event, torch_missing
+from safecompile.observe.source import location_of_error
+from safecompile.persist import kernels
 from safecompile.persist.bounded import read_file
 from safecompile.persist.cache import (
     Verdict,
@@ -37,7 +44,8 @@ from safecompile.persist.cache import (
 )
 from safecompile.persist.restart import Persisted
 from safecompile.persist.sources import code_record, describe_global, stale_reasons
-from safecompile.shapes.table import BucketStatus, BucketTable
+from safecompile.shapes.buckets import Plan
+from safecompile.shapes.table import BucketStatus, BucketTable, unmark
 
 from .graphs import GraphFacts, read_facts
 
@@ -101,6 +109,7 @@ class Precompiled:
         self._loaded: tuple[Any, ...] = ()
         self._traced: Callable[..., Any] | None = None
         self._saved: dict[str, dict[str, Any]] = {}  # file name -> its index entry
+        self._shipped: set[str] = set()  # kernel files this process saved under its key
         self._said = Once()
 
     def serving(self, traced: Callable[..., Any]) -> Callable[..., Any]:
@@ -113,13 +122,17 @@ class Precompiled:
             if fn.guard_check(*args, **kwargs):
                 return fn.fn(*args, **kwargs)
         if self._loaded:
+            found = _unmarked_match(self._loaded, args, kwargs)
+            if found is not None:
+                return found.fn(*args, **kwargs)
             self._event("no_guard_matched", "this call is traced as usual", logging.INFO)
         assert self._traced is not None  # serving() came first
         return self._traced(*args, **kwargs)
 
     def save(self, calls: list[Args], name: str, buckets: BucketTable | None) -> None:
         """After a warmup that passed: each warm signature, as the compiled function got
-        it (padded; a rejected bucket's left out), precompiled and saved."""
+        it (padded, or marked dynamic over its range; a rejected bucket's left out),
+        precompiled and saved."""
         key, store = self._key, self._store
         if store is None or key is None:
             return
@@ -128,17 +141,21 @@ class Precompiled:
             return
         made: list[Any] = []
         for call in calls:
-            padded = _as_compiled(call, buckets)
-            if padded is None:
+            compiled = _as_compiled(call, buckets)
+            if compiled is None:
                 continue  # a rejected bucket: it runs eager
-            args, kwargs = padded
+            (args, kwargs), plan = compiled
             if any(f.guard_check(*args, **kwargs) for f in (*self._loaded, *made)):
                 continue  # loaded, or saved by an earlier call of this warmup
+            marked = buckets.mark_range(plan, args, kwargs) if buckets and plan else []
             try:
                 made.append(self._save_one(key, args, kwargs))
             except Exception as exc:  # a graph break, a backend torch cannot serialize...
-                self._event("not_saved", f"{type(exc).__name__}: {exc}", logging.INFO)
+                cause, reason = _not_saved(exc, self._top)
+                self._event("not_saved", reason, logging.INFO, cause=cause)
                 break  # the other signatures would most likely fail the same way
+            finally:
+                unmark(marked)
         if made:
             graphs = list(self._saved.values())
             verdict = Verdict(kind=PURPOSE, time=time.time(), name=name, details={"graphs": graphs})
@@ -183,15 +200,48 @@ class Precompiled:
             self._top, fullgraph=True, backend=backend, dynamic=self._dynamic, options=options
         )
         saved = fn.aot_compile((args, kwargs))
-        if facts[0].effects or read:  # updates to find again at run time, or global values
-            raise ValueError(f"it updates Python objects or reads globals {read[:3]}")
+        if facts[0].effects:  # updates to find again at run time
+            raise NotSaved("python_side_effects", "it updates Python objects")
+        if read:  # global values no record checks
+            raise NotSaved("global_read", f"it reads globals no record checks: {read[:3]}")
         inlined = torchcompat.inlined_sources(saved)
-        if isinstance(inlined, torchcompat.Missing):
-            raise LookupError(inlined.name)  # what it came from could not be checked
+        if isinstance(inlined, torchcompat.Missing):  # what it came from cannot be checked
+            raise NotSaved("untracked_code", f"{inlined.name}: {inlined.effect}")
         scope = str(self._top.__globals__.get("__name__"))
         record = code_record(inlined, recorded, scope)
         data: bytes = type(saved).serialize(saved, self._external).serialized_data
         file = f"{hashlib.sha256(data).hexdigest()[:32]}.bin"
+        self._put(key, file, data)
+        entry = dataclasses.asdict(facts[0]) | {"file": file, "code": record}
+        self._saved[file] = entry | (self._ship_kernels(key, saved) if self._inductor else {})
+        return saved
+
+    def _ship_kernels(self, key: str, saved: Any) -> dict[str, Any]:
+        """The C++ libraries ``saved``'s graphs load, saved sealed beside it: what its index
+        entry lists (``{}``: none shipped, and an event says why)."""
+        libraries = torchcompat.kernel_libraries(saved)
+        root = torchcompat.inductor_cache_dir()
+        if isinstance(libraries, torchcompat.Missing) or isinstance(root, torchcompat.Missing):
+            missing = libraries if isinstance(libraries, torchcompat.Missing) else root
+            assert isinstance(missing, torchcompat.Missing)
+            self._event("kernels_not_saved", f"{missing.name}: {missing.effect}", logging.INFO)
+            return {}
+        listed: list[dict[str, str]] = []
+        for path in libraries:
+            rel = kernels.relative(root, path)
+            data = kernels.read(path) if rel is not None else None
+            if rel is None or data is None or len(data) > kernels.MAX_BYTES:
+                reason = f"{path}: not a library in inductor's cache, or unreadable"
+                self._event("kernels_not_saved", reason, logging.INFO)
+                return {}
+            file = kernels.blob_name(data)
+            if file not in self._shipped:
+                self._put(key, file, data)
+                self._shipped.add(file)
+            listed.append({"path": rel, "file": file})
+        return {"kernels": listed, "kernels_for": kernels.machine()}
+
+    def _put(self, key: str, file: str, data: bytes) -> None:
         assert self._signer is not None
         assert self._dir is not None
         assert self._store is not None
@@ -200,8 +250,6 @@ class Precompiled:
         shared = remote is not None and remote.put_blob(key, file, sealed)
         if not _write_atomic(self._dir / key / file, sealed) and not shared:
             raise OSError("written neither to the cache dir nor to the remote tier")
-        self._saved[file] = dataclasses.asdict(facts[0]) | {"file": file, "code": record}
-        return saved
 
     def load(self, args: tuple[Any, ...], kwargs: dict[str, Any], adopt: Adopt) -> None:
         """Once per process, before the first compile: load what an earlier one saved."""
@@ -220,6 +268,7 @@ class Precompiled:
             self._missing(key)
             return
         loaded = []
+        built: list[int] = []  # the kernels installed, not built, per graph loaded
         stale: list[str] = []
         for entry in verdict.details.get("graphs", []):
             reasons = stale_reasons(entry, self._top.__globals__)
@@ -227,7 +276,7 @@ class Precompiled:
                 stale.extend(r for r in reasons if r not in stale)
                 continue
             try:
-                loaded.append(self._load_one(key, entry, adopt))
+                loaded.append(self._load_one(key, entry, adopt, built))
                 self._saved[str(entry["file"])] = entry  # kept when this process saves more
             except Exception as exc:  # unsigned, tampered, another torch, not loadable
                 self._event("not_loaded", f"{type(exc).__name__}: {exc}", logging.WARNING)
@@ -237,6 +286,7 @@ class Precompiled:
             self._event("stale", _stale_text(stale), logging.INFO)
         if loaded:
             reason = f"{len(loaded)} graph(s) loaded, not traced"
+            reason += f"; {sum(built)} C++ kernel(s) shipped, not built" if sum(built) else ""
             log_event("safecompile.precompiled", outcome="loaded", reason=reason)
 
     def _missing(self, key: str | None) -> None:
@@ -256,21 +306,21 @@ class Precompiled:
         else:
             self._event("missing", "nothing saved for this key: traced as usual", logging.INFO)
 
-    def _load_one(self, key: str, entry: dict[str, Any], adopt: Adopt) -> Any:
-        file = str(entry["file"])  # a name this module made: the index is signed
-        assert self._signer is not None
-        assert self._dir is not None
-        assert self._store is not None
+    def _load_one(self, key: str, entry: dict[str, Any], adopt: Adopt, built: list[int]) -> Any:
         assert self._load_fn is not None
-        sealed = read_file(self._dir / key / file, limit=MAX_BYTES, timeout=READ_TIMEOUT_S)
-        if sealed is None and self._store.remote is not None:
-            sealed = self._store.remote.get_blob(key, file)
-        if sealed is None or len(sealed) > MAX_BYTES:
-            raise FileNotFoundError(f"{file}: not found, or larger than {MAX_BYTES} bytes")
-        data = self._signer.unseal(PURPOSE, f"{key}/{file}", sealed)  # before unpickling
-        fn = self._load_fn(
-            io.BytesIO(data), f_globals=self._top.__globals__, external_data=self._external
+        data = self._get(key, str(entry["file"]), MAX_BYTES)  # a name this module made
+        installed = self._install_kernels(key, entry)
+        root = torchcompat.inductor_cache_dir() if installed else None
+        headers = (  # every kernel is there: none is built, so no header is precompiled
+            torchcompat.headers_not_precompiled(os.path.join(root, "safecompile-headers"))
+            if isinstance(root, str)
+            else nullcontext()
         )
+        with headers:
+            fn = self._load_fn(
+                io.BytesIO(data), f_globals=self._top.__globals__, external_data=self._external
+            )
+        built.append(installed)
         fields = {f: entry[f] for f in ("label", "code", "unchecked", "mutates")}
         facts = GraphFacts(**fields, effects=())
         wrapped = torchcompat.precompiled_rewrapped(fn, lambda graph: adopt(graph, facts))
@@ -278,6 +328,45 @@ class Precompiled:
             torch_missing(wrapped)
             raise LookupError(wrapped.name)
         return wrapped
+
+    def _get(self, key: str, file: str, limit: int) -> bytes:
+        """A file :meth:`_put` saved, from the cache dir or the remote tier, unsealed."""
+        assert self._signer is not None
+        assert self._dir is not None
+        assert self._store is not None
+        sealed = read_file(self._dir / key / file, limit=limit, timeout=READ_TIMEOUT_S)
+        if sealed is None and self._store.remote is not None:
+            sealed = self._store.remote.get_blob(key, file, limit)
+        if sealed is None or len(sealed) > limit:
+            raise FileNotFoundError(f"{file}: not found, or larger than {limit} bytes")
+        return self._signer.unseal(PURPOSE, f"{key}/{file}", sealed)  # before it is used
+
+    def _install_kernels(self, key: str, entry: dict[str, Any]) -> int:
+        """The C++ kernels saved with ``entry``, written where inductor looks for them: how
+        many (0: none was saved, they were built for another machine, or one is missing,
+        and this process builds those its graphs need)."""
+        listed = entry.get("kernels")
+        if not listed:
+            return 0
+        if entry.get("kernels_for") != kernels.machine():
+            reason = "built for another CPU, compiler, torch or Python: this process builds them"
+            self._event("kernels_built_here", reason, logging.INFO)
+            return 0
+        root = torchcompat.inductor_cache_dir()
+        try:
+            if isinstance(root, torchcompat.Missing):
+                raise LookupError(f"{root.name}: {root.effect}")
+            for item in listed:
+                rel = str(item["path"])
+                if not (Path(root) / rel).exists():
+                    data = self._get(key, str(item["file"]), kernels.MAX_BYTES)
+                    if not kernels.install(root, rel, data):
+                        raise OSError(f"{rel}: cannot be written under {root}")
+        except Exception as exc:  # unsigned, tampered, gone from Redis: built here instead
+            reason = f"{type(exc).__name__}: {exc}; this process builds them"
+            self._event("kernels_built_here", reason, logging.WARNING)
+            return 0
+        return len(listed)
 
     def forget(self) -> None:
         """``reset()``: serve nothing loaded, and delete what this key saved."""
@@ -287,9 +376,38 @@ class Precompiled:
             for path in (self._dir / self._key).glob("*.bin"):
                 path.unlink(missing_ok=True)
 
-    def _event(self, outcome: str, reason: str, level: int) -> None:  # once per outcome
-        if self._said.first(outcome):
-            log_event("safecompile.precompiled", level=level, outcome=outcome, reason=reason)
+    def _event(self, outcome: str, reason: str, level: int, **fields: Any) -> None:
+        if self._said.first(outcome):  # once per outcome
+            log_event(
+                "safecompile.precompiled", level=level, outcome=outcome, reason=reason, **fields
+            )
+
+
+class NotSaved(Exception):
+    """A warm signature that is compiled but not saved, and why (``cause``: one word)."""
+
+    def __init__(self, cause: str, reason: str) -> None:
+        super().__init__(reason)
+        self.cause = cause
+
+
+def _not_saved(exc: Exception, fn: Callable[..., Any]) -> tuple[str, str]:
+    """The ``cause`` and ``reason`` of a ``not_saved`` event: ``graph_break`` (torch
+    precompiles whole graphs only), ``not_serializable`` (a backend's result torch cannot
+    save), ``python_side_effects``, ``global_read``, ``untracked_code`` or ``error``."""
+    if isinstance(exc, NotSaved):
+        return exc.cause, f"{exc}: this signature is traced at every start"
+    said = explain(exc, location_of_error(exc, fn)[0])
+    if said.kind == "graph_break":
+        location, _ = location_of_error(exc, fn)
+        where = f" at {os.path.basename(location.file)}:{location.line}" if location else ""
+        reason = (
+            f"{said.summary}{where}: torch precompiles whole graphs only, so this "
+            "signature is traced at every start"
+        )
+        return "graph_break", reason
+    cause = "not_serializable" if "SerializableCallable" in str(exc) else "error"
+    return cause, f"{type(exc).__name__}: {exc}"
 
 
 class IsaChecks:
@@ -355,11 +473,38 @@ def _stale_text(reasons: list[str]) -> str:
     return f"saved from other code ({shown}): traced afresh (saved again after a warmup)"
 
 
-def _as_compiled(call: Args, buckets: BucketTable | None) -> Args | None:
-    """A warm call's arguments as the compiled function got them (``None``: it did not)."""
+def _unmarked_match(loaded: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The loaded function whose guards pass the call with its tensors' dynamic marks
+    left out (a dynamic range's first call arrives marked for dynamo to trace it so; a
+    saved function's guards refuse a mark), or ``None``."""
+    tensors = [v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)]
+    marked = [(t, {m: getattr(t, m) for m in _MARKS if hasattr(t, m)}) for t in tensors]
+    marked = [(t, marks) for t, marks in marked if marks]
+    if not marked:
+        return None
+    try:
+        for tensor, marks in marked:
+            for name in marks:
+                delattr(tensor, name)
+        return next((fn for fn in loaded if fn.guard_check(*args, **kwargs)), None)
+    finally:
+        for tensor, marks in marked:
+            for name, value in marks.items():
+                setattr(tensor, name, value)
+
+
+_MARKS = torchcompat.DYNAMIC_MARKS
+
+
+def _as_compiled(call: Args, buckets: BucketTable | None) -> tuple[Args, Plan | None] | None:
+    """A warm call's arguments as the compiled function got them, and with
+    ``strategy="dynamic"`` the plan whose range to mark on them (``None``: it did not get
+    them, a rejected bucket)."""
     plan = buckets.bucketer.plan(*call) if buckets is not None else None
     if buckets is None or plan is None or plan.status != "bucketed":
-        return call
+        return call, None
     if buckets.entry(plan).status is BucketStatus.REJECTED:
         return None
-    return buckets.bucketer.pad(plan, *call)
+    if not buckets.pads:
+        return call, plan
+    return buckets.bucketer.pad(plan, *call), None
