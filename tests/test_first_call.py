@@ -122,7 +122,9 @@ def test_a_write_seen_on_the_first_run_trips_with_a_breach_that_says_so() -> Non
     guarded(x)
     assert guarded.safecompile.state is State.ROLLED_BACK
     stats = guarded.safecompile.stats()
-    assert (stats.shadow_checks, stats.shadow_breaches, stats.rollbacks) == (1, 1, 1)
+    # the first run's check breached; the call's due canary check still ran (and passed:
+    # the traced graph is eager's), as a peer rank checking the same call would
+    assert (stats.shadow_checks, stats.shadow_breaches, stats.rollbacks) == (2, 1, 1)
     events = guarded.safecompile.events()
     breach = next(e for e in events if e.kind is EventKind.BREACH)
     assert breach.details.get("graph") == 1

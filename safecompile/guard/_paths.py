@@ -287,7 +287,7 @@ def finish(e: Engine, call: Call, out: Any) -> Any:
         e.speed_done(Step.TIME_COMPILED, elapsed if served else None)
     slot.end()
     if fresh is not None and _first_runs(e, call, fresh):
-        return out  # a breach: its graphs' outputs were eager's already
+        return _checked_after_breach(e, call, due, snapshot, out)
     if first is None or not first.compiled:
         # No compiled graph served: the graph is past the recompile limit and its traced
         # code ran eagerly, or dynamo ran the frame eagerly: past torch's own limit (above
@@ -329,6 +329,22 @@ def _first_runs(e: Engine, call: Call, runs: list[FirstRun]) -> bool:
         call.count_eager("check")
         return True
     return False
+
+
+def _checked_after_breach(
+    e: Engine, call: Call, due: list[GraphRecord] | None, snapshot: Snapshot | None, out: Any
+) -> Any:
+    """A graph's first run breached: its outputs were eager's already. A check due on this
+    call still makes its eager run of the whole call, as a peer rank's call that checks it
+    does, so the collectives inside pair up; eager's result if it asks for it."""
+    if due and snapshot is not None:
+        verdict = e.shadow.check(
+            e.table, due, snapshot, call.args, call.kwargs, out, compiled_s=None
+        )
+        if verdict.use_eager or verdict.breach is not None:
+            discarded(e)
+            return verdict.eager_out
+    return out
 
 
 def _check(
