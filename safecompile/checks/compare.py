@@ -553,7 +553,7 @@ def expand_mask(mask: torch.Tensor, dims: Sequence[int], out: tuple[int, ...]) -
 
 
 def _where_text(found: Mapping[str, Any], *, counted: bool) -> str:
-    """``"; 12 of 96 elements differ, worst at [1, 4, 0] by 0.8 of the largest magnitude;
+    """``"; 12 of 96 elements differ, worst at [1, 4, 0] by 0.8 of max|eager|;
     they differ only where src_key_padding_mask is True (...)"``: for a reason
     (a share of the largest magnitude, never a difference in the tensor's own units)."""
     index = ", ".join(str(i) for i in found["worst_index"])
@@ -562,7 +562,7 @@ def _where_text(found: Mapping[str, Any], *, counted: bool) -> str:
     else:
         text = f"; {found['differ']} of {found['elements']} elements differ, worst at [{index}]"
         share = found.get("worst_share")
-        text += f" by {_fig(share)} of the largest magnitude" if share is not None else ""
+        text += f" by {_fig(share)} of max|eager|" if share is not None else ""
     if "mask" in found:
         name, value, dims = found["mask"], found["mask_value"], found["mask_dims"]
         text += f"; they differ only where {name} is {value}"
