@@ -227,12 +227,13 @@ def test_reset_forgets_the_persisted_verdicts(cache_dir: Path) -> None:
     assert restored(g) == [None] * 4
 
 
-# Reads a global: no precompiled function is saved for it (torch would not guard the
-# global), so its restart traces, and torch's artifacts are what make that cheap.
+# Reads a global tensor: no precompiled function is saved for it (no record checks a
+# tensor's value at load), so its restart traces, and torch's artifacts are what make that
+# cheap.
 SCALED = """
 import torch
 
-SCALE = 2.0
+SCALE = torch.full((8,), 2.0)
 
 def fn(x):
     return torch.nn.functional.gelu(x @ torch.ones(8, 8)) * SCALE
