@@ -571,7 +571,7 @@ class Shadow:
         :func:`ignore_where` (positions an input masks are not compared), or a callable
         ``(eager_out, compiled_out, args, kwargs) -> bool`` (``True``: they agree), like
         GitHub scientist's ``compare``. ``None``: every output element is compared
-        (docs/tolerances.md, "Declaring what to compare").
+        (docs/declared-comparisons.md).
     """
 
     canary: int = 8

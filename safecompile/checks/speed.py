@@ -156,7 +156,7 @@ def decide(
 def _read(
     interval: tuple[float, float, float], policy: SpeedPolicy, last: bool, more: bool
 ) -> bool | None:
-    low, middle, high = interval  # one interval's verdict: the table in docs/speed.md
+    low, middle, high = interval  # one interval's verdict: "How it decides" in docs/speed.md
     if low > policy.ratio:
         return True
     if high <= policy.ratio:
