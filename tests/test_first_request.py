@@ -285,3 +285,55 @@ def test_reset_warms_up_under_the_grad_mode_of_the_decoration() -> None:
         g(x)
     assert backend.compiles == 2  # the decoration's and the reset's: none for the call
     assert g.safecompile.stats().compiled_calls == 1
+
+
+_EXIT_WITH_A_QUEUE = """
+import atexit, json, threading
+import torch
+counts = {}
+
+
+def after_safecompiles_exit_hook():
+    # registered before safecompile is imported, so it runs after safecompile's own hook:
+    # the worker must end (starting no queued compile) instead of working down the queue
+    before = counts["g"]()["compiled"]
+    worker = next(t for t in threading.enumerate() if t.name == "safecompile-deferred-compiles")
+    worker.join(60)
+    print("AT EXIT", json.dumps({"alive": worker.is_alive(), "before": before,
+                                 "after": counts["g"]()["compiled"]}), flush=True)
+
+
+atexit.register(after_safecompiles_exit_hook)
+from safecompile import Warmup, safe_compile
+
+m = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()).eval()
+g = safe_compile(m, backend="eager", dynamic=False, shadow=None,
+                 warmup=Warmup(inputs=[(torch.randn(4, 16),)], background=True, queue_size=100))
+assert g.safecompile.wait_warm(60)
+counts["g"] = lambda: g.safecompile.stats().extra["deferred"]
+with torch.no_grad():
+    for b in range(5, 45):
+        g(torch.randn(b, 16))
+"""
+
+
+def test_an_exit_starts_no_queued_compile(tmp_path: Any) -> None:
+    """A process that exits with deferred compiles queued waits for the one running, not
+    for the queue: the worker starts no other (a compile left inside torch at
+    finalisation aborts the process)."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit_with_a_queue.py"
+    script.write_text(_EXIT_WITH_A_QUEUE)
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "terminate called" not in done.stderr
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("AT EXIT ")]
+    seen = json.loads(line.removeprefix("AT EXIT "))
+    assert seen["alive"] is False  # it ended rather than waiting for more work
+    assert seen["after"] - seen["before"] == 0  # and ran no compile once the exit began
+    assert seen["after"] < 40  # the queue was not worked down

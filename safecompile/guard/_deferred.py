@@ -86,7 +86,9 @@ class _Worker:
             if nice:
                 _workers.lower_priority(nice)
             time.sleep(SETTLE_S)
-            with _workers.running():  # the interpreter's exit waits for it a little
+            with _workers.running() as allowed:  # the interpreter's exit waits for it
+                if not allowed:  # the interpreter is exiting: compile no more
+                    return
                 owner.run(key, job)
 
 

@@ -15,11 +15,14 @@ import time
 import weakref
 from collections.abc import Callable, Iterator
 
-__all__ = ["EXIT_WAIT_S", "lower_priority", "running", "start"]
+__all__ = ["EXITING", "EXIT_WAIT_S", "lower_priority", "running", "start"]
 
 #: Seconds the interpreter's exit waits, in all, for compiling threads still running.
 EXIT_WAIT_S = 10.0
+#: Set when the interpreter exits: a worker starts no new compile from then on.
+EXITING = threading.Event()
 _WORKERS: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+_LOCK = threading.Lock()  # EXITING and the workers the exit waits for, read together
 
 
 def start(name: str, work: Callable[[], None], *, nice: int | None) -> threading.Thread:
@@ -41,18 +44,25 @@ def _join_workers(timeout: float = EXIT_WAIT_S) -> None:
     """At exit, give running workers up to ``timeout`` seconds to end: torch's C++ frames
     turn the unwind of a daemon thread still inside torch at finalisation into
     ``std::terminate`` (the process aborts)."""
+    with _LOCK:  # from now on no compile starts (running()): only those running are waited for
+        EXITING.set()
+        workers = list(_WORKERS)
     deadline = time.monotonic() + timeout
-    for worker in list(_WORKERS):
+    for worker in workers:
         worker.join(max(0.0, deadline - time.monotonic()))
 
 
 @contextlib.contextmanager
-def running() -> Iterator[None]:
-    """A long-lived worker compiles while the block runs: the exit waits for it then."""
+def running() -> Iterator[bool]:
+    """A long-lived worker compiles while the block runs (``True``): the exit waits for it
+    then. Once the interpreter is exiting, ``False``: start no compile."""
     me = threading.current_thread()
-    _WORKERS.add(me)
+    with _LOCK:
+        exiting = EXITING.is_set()
+        if not exiting:
+            _WORKERS.add(me)
     try:
-        yield
+        yield not exiting
     finally:
         _WORKERS.discard(me)
 
