@@ -1,0 +1,155 @@
+"""How one guarded call walks through the guard's code: function entries, module crossings
+and gate updates, counted by ``sys.setprofile``.
+
+Counts instructions of nothing and times nothing: it reads the path. For each scenario a
+fresh guarded callable runs one call under the profiler, which notes every Python
+function entered in ``safecompile`` (``entries``), every call from one ``safecompile``
+module into another (``crossings``), the crossings between two modules of
+``safecompile.guard`` (``guard crossings``), and how often the gate is recomputed
+(``gate updates``). Scenarios:
+
+- ``breach``: the first call of a graph whose compiled code is wrong (a backend that adds
+  0.01 to every output), with ``Shadow()``: it compiles, the graph's checked first run
+  breaches, eager answers, the callable rolls back;
+- ``first``: the first call of a correct graph, ``Shadow()``;
+- ``checked``: a later call whose check is due (``Shadow(every=1)``).
+
+    python bench/call_path.py          # a table
+    python bench/call_path.py --json   # the counts as JSON
+    python bench/call_path.py --trace breach   # every guard crossing of a scenario, in order
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from safecompile import Shadow, safe_compile
+
+warnings.filterwarnings("ignore")
+
+
+def drifting(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    """A backend whose compiled code is off by 0.01 in every output."""
+
+    def run(*args: Any) -> Any:
+        out = gm.forward(*args)
+        return tuple(o + 0.01 for o in out) if isinstance(out, tuple | list) else out + 0.01
+
+    return run
+
+
+def fn(x: torch.Tensor) -> torch.Tensor:
+    return torch.sin(x) * 2 + 1
+
+
+def _module(frame: types.FrameType) -> str | None:
+    name = frame.f_globals.get("__name__")
+    return name if isinstance(name, str) and name.startswith("safecompile") else None
+
+
+class Counter:
+    """The profile hook: entries, crossings and gate updates of ``safecompile`` code."""
+
+    def __init__(self) -> None:
+        self.entries = 0
+        self.crossings = 0
+        self.guard_crossings = 0
+        self.gate_updates = 0
+        self.by_module: collections.Counter[str] = collections.Counter()
+        self.trace: list[str] = []
+
+    def __call__(self, frame: types.FrameType, event: str, _arg: object) -> None:
+        if event != "call":
+            return
+        callee = _module(frame)
+        if callee is None:
+            return
+        self.entries += 1
+        self.by_module[callee] += 1
+        name = frame.f_code.co_name
+        if name in ("update_gate", "_update_gate", "open_gate"):
+            self.gate_updates += 1
+        back = frame.f_back
+        caller = _module(back) if back is not None else None
+        if caller is None or caller == callee:
+            return
+        self.crossings += 1
+        if caller.startswith("safecompile.guard") and callee.startswith("safecompile.guard"):
+            self.guard_crossings += 1
+            assert back is not None
+            self.trace.append(
+                f"{caller.rsplit('.', 1)[1]}.{back.f_code.co_name} -> "
+                f"{callee.rsplit('.', 1)[1]}.{name}"
+            )
+
+
+def _scenario(name: str) -> tuple[Callable[..., Any], int]:
+    """A fresh guarded callable, and how many calls to make before the counted one."""
+    torch._dynamo.reset()
+    if name == "breach":
+        return safe_compile(fn, backend=drifting, shadow=Shadow()), 0
+    if name == "first":
+        return safe_compile(fn, backend="eager", shadow=Shadow()), 0
+    if name == "checked":
+        return safe_compile(fn, backend="eager", shadow=Shadow(canary=0, every=1)), 3
+    raise SystemExit(f"unknown scenario {name!r}")
+
+
+def count(name: str) -> Counter:
+    guarded, before = _scenario(name)
+    x = torch.randn(8)
+    for _ in range(before):
+        guarded(x)
+    counter = Counter()
+    sys.setprofile(counter)
+    try:
+        guarded(x)
+    finally:
+        sys.setprofile(None)
+    if name == "breach":
+        state = guarded.safecompile.state.value  # type: ignore[attr-defined]
+        assert state == "rolled_back", state
+    return counter
+
+
+SCENARIOS = ("breach", "first", "checked")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--trace", choices=SCENARIOS)
+    ns = parser.parse_args()
+    if ns.trace:
+        print("\n".join(count(ns.trace).trace))
+        return
+    results = {s: count(s) for s in SCENARIOS}
+    if ns.json:
+        figures = {
+            s: {
+                "entries": c.entries,
+                "crossings": c.crossings,
+                "guard_crossings": c.guard_crossings,
+                "gate_updates": c.gate_updates,
+                "by_module": dict(c.by_module.most_common()),
+            }
+            for s, c in results.items()
+        }
+        print(json.dumps(figures, indent=2))
+        return
+    print(f"{'scenario':10} {'entries':>8} {'crossings':>10} {'guard crossings':>16} {'gate':>5}")
+    for s, c in results.items():
+        print(f"{s:10} {c.entries:8} {c.crossings:10} {c.guard_crossings:16} {c.gate_updates:5}")
+
+
+if __name__ == "__main__":
+    main()
