@@ -6,7 +6,8 @@ fresh guarded callable runs one call under the profiler, which notes every Pytho
 function entered in ``safecompile`` (``entries``), every call from one ``safecompile``
 module into another (``crossings``), the crossings between two modules of
 ``safecompile.guard`` (``guard crossings``), and how often the gate is recomputed
-(``gate updates``). Scenarios:
+(``gate updates``: ``Engine.update_gate`` before the gate had a module of its own,
+``Gate.update`` since). Scenarios:
 
 - ``breach``: the first call of a graph whose compiled code is wrong (a backend that adds
   0.01 to every output), with ``Shadow()``: it compiles, the graph's checked first run
@@ -76,7 +77,7 @@ class Counter:
         self.entries += 1
         self.by_module[callee] += 1
         name = frame.f_code.co_name
-        if name in ("update_gate", "_update_gate", "open_gate"):
+        if name == "update_gate" or (callee.endswith("._gate") and name == "update"):
             self.gate_updates += 1
         back = frame.f_back
         caller = _module(back) if back is not None else None

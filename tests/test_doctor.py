@@ -298,7 +298,7 @@ def test_a_graph_no_check_can_copy_for_is_a_drift_warning(
 ) -> None:
     """A graph updating an object that a shadow check cannot find to copy: the drift
     check warns that safe_compile's state will read ``unchecked``, and names it."""
-    from safecompile.guard import graphs
+    from safecompile.guard import facts as graphs
 
     monkeypatch.setattr(graphs, "outside_effects", lambda: ((), "L['cache'].layers[0]"))
     code, report = run(tmp_path, spec("clean"), "--backend", "eager", "--quick")

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from safecompile import Buckets, EventKind, Shadow, State, safe_compile
-from safecompile.guard import graphs
+from safecompile.guard import backend as graphs
+from safecompile.guard import facts
 from safecompile.testing import DriftingBackend, RecordingBackend
 
 
@@ -356,8 +357,8 @@ def test_the_inputs_a_graph_writes_are_read_from_its_code() -> None:
         return y
 
     gm = torch.fx.symbolic_trace(f)
-    assert graphs._written_inputs(gm) == frozenset({0, 2})
-    assert graphs._written_inputs(torch.fx.symbolic_trace(sin_and_view)) == frozenset()
+    assert facts.written_inputs(gm) == frozenset({0, 2})
+    assert facts.written_inputs(torch.fx.symbolic_trace(sin_and_view)) == frozenset()
 
 
 def test_a_parameter_the_users_code_updates_is_updated_once() -> None:

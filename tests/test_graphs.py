@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from safecompile import Rollback, Shadow, Warmup, safe_compile
 from safecompile.base.torchcompat import undisabled
-from safecompile.guard.graphs import mutates_in_place, random_op
+from safecompile.guard.facts import mutates_in_place, random_op
 
 
 def traced(fn: Callable[..., Any]) -> torch.fx.GraphModule:

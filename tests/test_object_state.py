@@ -19,8 +19,8 @@ import torch
 
 from safecompile import EventKind, Shadow, State, Warmup, safe_compile
 from safecompile.checks.snapshot import Snapshot
-from safecompile.guard import _engine as engine_module
-from safecompile.guard import graphs as graphs_module
+from safecompile.guard import backend as backend_module
+from safecompile.guard import facts as facts_module
 from safecompile.testing import DriftingBackend, RecordingBackend
 
 
@@ -177,11 +177,10 @@ def test_drift_in_the_updated_object_alone_is_caught_and_eager_state_kept() -> N
 def test_an_object_that_cannot_be_found_is_unchecked_with_one_event_naming_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def lost(record: Any) -> tuple[list[Any], str | None]:
+    def lost(*args: Any) -> tuple[list[Any], str | None]:
         return [], "L['cache'].layers[0]"
 
-    monkeypatch.setattr(engine_module, "find_effects", lost)
-    monkeypatch.setattr(graphs_module, "find_effects", lost)
+    monkeypatch.setattr(backend_module, "find_effects", lost)
     guarded = safe_compile(decode, backend="eager", shadow=Shadow(canary=3, every=1))
     cache = Cache()
     x = torch.randn(1, 4)
@@ -304,7 +303,7 @@ def test_a_side_effect_record_that_cannot_be_read_leaves_the_graph_unchecked(
     def unreadable(*args: Any) -> Any:
         raise RuntimeError("an entry of the record torch changed")
 
-    monkeypatch.setattr(graphs_module, "_effect_of", unreadable)
+    monkeypatch.setattr(facts_module, "_effect_of", unreadable)
     seen: list[torch.Tensor] = []
     guarded = safe_compile(append_to, backend="eager", shadow=Shadow(canary=2, every=1))
     guarded(torch.randn(3), seen)

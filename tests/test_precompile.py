@@ -26,7 +26,7 @@ from safecompile import Buckets, Shadow, State, Warmup, safe_compile
 from safecompile.base import torchcompat
 from safecompile.guard import _precompile
 from safecompile.guard._precompile import ISA_SCOPE, IsaChecks, _isa_key
-from safecompile.guard.graphs import GuardBackend
+from safecompile.guard.backend import GuardBackend
 from safecompile.observe.log import torch_missing_said
 from safecompile.persist import remote as _remote
 from safecompile.persist.cache import Verdict, VerdictStore

@@ -11,7 +11,8 @@ import torch
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from safecompile import State, disable, enable, safe_compile
-from safecompile.guard.graphs import GraphRecord, GuardBackend
+from safecompile.guard.backend import GuardBackend
+from safecompile.guard.graphs import GraphRecord
 
 
 def _held() -> Counter[str]:

@@ -3,8 +3,10 @@
 :class:`CompileTracker` knows which thread is compiling (single flight: while one thread
 compiles, eager serves every other call, clear of a torch race where a compiled call
 racing the install of a new graph misses the cache); every way out of a compile releases
-it. :class:`KnownFailures` persists "this code fails to compile here" under
-``SAFECOMPILE_CACHE_DIR``, keyed by code, torch, Python, device and options.
+it. A compile that starts closes the gate's hot path; the last one to end has the gate
+recomputed (:class:`~._gate.Gate`). :class:`KnownFailures` persists "this code fails to
+compile here" under ``SAFECOMPILE_CACHE_DIR``, keyed by code, torch, Python, device and
+options.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from safecompile.base.model import Reason
 from safecompile.observe.source import error_type_name, safe_message
@@ -21,20 +23,28 @@ from safecompile.persist import remote
 from safecompile.persist.cache import CallKey, Verdict, signed_store, use_torch_caches
 from safecompile.persist.signing import warn_ignored
 
+
+class _Gate(Protocol):
+    """What a compile touches of the gate (:class:`~._gate.Gate`)."""
+
+    deferred: bool
+    fast: bool
+    lock: threading.RLock
+
+    def update(self) -> None: ...
+
+
 __all__ = ["CompileTracker", "KnownFailures"]
 
 
 class CompileTracker:
-    """Which threads compile now; ``on_change`` is told whenever that changes."""
+    """Which threads compile now (see the module doc)."""
 
-    def __init__(self, on_change: Callable[[], None]) -> None:
+    def __init__(self) -> None:
         self._lock = threading.Lock()
         self._depth: dict[int, int] = {}
-        self._on_change = on_change
-
-    @property
-    def busy(self) -> bool:
-        return bool(self._depth)
+        self.busy = False  # some thread compiles
+        self.gate: _Gate | None = None  # closed while a compile runs (set by the engine)
 
     def busy_elsewhere(self) -> bool:
         me = threading.get_ident()
@@ -50,13 +60,17 @@ class CompileTracker:
             got = not (exclusive and self.busy_elsewhere())
             if got:
                 self._depth[me] = self._depth.get(me, 0) + 1
+                self.busy = True
             outermost = got and self._depth[me] == 1
         if not got:
             yield False
             return
+        gate = self.gate
         if outermost:
             remote.mark_compile()  # what torch reads from Redis from here is this compile's
-        self._on_change()
+            if gate is not None and not gate.deferred:
+                with gate.lock:  # after ``busy``: a recompute now sees it (no reopening)
+                    gate.fast = False
         try:
             yield True
         finally:
@@ -64,11 +78,14 @@ class CompileTracker:
                 depth = self._depth.pop(me, 1) - 1
                 if depth > 0:
                     self._depth[me] = depth
-            self._on_change()
+                self.busy = bool(self._depth)
+            if outermost and gate is not None:
+                gate.update()  # the graphs it made, or the compile it no longer blocks
 
     def reset(self) -> None:
         with self._lock:
             self._depth.clear()
+            self.busy = False
 
 
 class KnownFailures:

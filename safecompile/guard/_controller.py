@@ -1,9 +1,9 @@
 """The ``.safecompile`` attribute of a guarded callable: the public face of its engine.
 
-The parts and what they do together live in :class:`~.engine.Engine`; the calls take
-the paths in :mod:`._paths`. The controller answers what the docs document, and nothing
-more: ``name``, ``state``, ``stats()``, ``events()``, ``warmup()``, ``wait_warm()``,
-``rollback()``, ``reset()``, ``report()`` and ``sync()``.
+The parts and what they do together live in :class:`~._engine.Engine`; the calls take
+the paths in :mod:`._hot` and :mod:`._paths`. The controller answers what the docs
+document, and nothing more: ``name``, ``state``, ``stats()``, ``events()``, ``warmup()``,
+``wait_warm()``, ``rollback()``, ``reset()``, ``report()`` and ``sync()``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import torch
 from safecompile.base import killswitch as ks
 from safecompile.base import torchcompat
 from safecompile.base.model import Event, EventKind, Reason, State, Stats
-from safecompile.checks.speed import CallSpeed
 from safecompile.observe.log import torch_missing
 from safecompile.observe.source import location_fields
 
@@ -40,7 +39,7 @@ class Controller:
         """The stable name: what the kill switch, telemetry and persisted verdicts use."""
         self._engine = engine
         self._warm_grad: bool | None = None  # the grad mode warmups run under
-        engine.sink.observe_state(self._observed)
+        engine.events.sink.observe_state(self._observed)
 
     def _observed(self) -> tuple[str, bool]:
         """What the ``safecompile.state`` and ``safecompile.disabled`` gauges read."""
@@ -64,7 +63,7 @@ class Controller:
             return State.DISABLED
         if e.trips.tripped:
             return State.ROLLED_BACK
-        if e.warming_up:  # live calls run eager until the warmup is done
+        if gate.warming_up:  # live calls run eager until the warmup is done
             return State.WARMING
         compiled = [g for g in e.table if g.compiled]
         if not compiled:
@@ -79,7 +78,8 @@ class Controller:
         counts = e.serving.counts()
         recent = e.serving.recent(counts)
         shadow = e.shadow.figures()
-        with e.lock:
+        with e.events.lock:
+            tally = e.events.tally
             graphs = [g for g in e.table if g.compiled]
             checks = e.table.checks()
             return Stats(
@@ -87,10 +87,10 @@ class Controller:
                 compiled_calls=counts.compiled,
                 eager_calls=counts.eager,
                 compiles=len(graphs),
-                compile_errors=e.tally.compile_errors,
+                compile_errors=tally.compile_errors,
                 compile_seconds=sum(g.compile_s for g in graphs),
                 graphs=len(graphs),
-                graph_breaks=e.tally.graph_breaks,
+                graph_breaks=tally.graph_breaks,
                 recompile_limit_calls=counts.by_reason["recompile_limit"],
                 shadow_checks=shadow.checks,
                 shadow_breaches=shadow.breaches,
@@ -100,15 +100,15 @@ class Controller:
                 graphs_not_yet_checked=checks["not_yet"],
                 max_abs_diff=shadow.max_abs,
                 max_rel_diff=shadow.max_rel,
-                rollbacks=e.tally.rollbacks,
-                last_rollback=e.tally.last_rollback,
+                rollbacks=tally.rollbacks,
+                last_rollback=tally.last_rollback,
                 eager_by_reason=counts.by_reason,
                 recent_calls=recent.calls,
                 recent_compiled_share=recent.compiled_share,
                 extra={
                     "latency": shadow.latency,
                     "shadow_queue_full": shadow.queue_full,
-                    "speed": _speed_figures(e.speed),
+                    "speed": e.speed.figures(),
                     "deferred": (
                         e.deferred.counts.as_dict(e.deferred.pending())
                         if e.deferred is not None
@@ -119,8 +119,9 @@ class Controller:
 
     def events(self) -> tuple[Event, ...]:
         """The most recent events (at most 256), newest last."""
-        with self._engine.lock:
-            return tuple(self._engine.events)
+        events = self._engine.events
+        with events.lock:
+            return tuple(events.events)
 
     def warmup(self, *args: Any, **kwargs: Any) -> None:
         """Compile now for these inputs, blocking; the result is discarded.
@@ -133,9 +134,7 @@ class Controller:
         e = self._engine
         if e.gate.disabled:
             return
-        with e.lock:
-            e.warmups += 1
-            e.update_gate()
+        e.gate.warming(background=False, pending=True)
         try:
             calls = [(args, kwargs)]
             if e.buckets is None:
@@ -155,16 +154,14 @@ class Controller:
                 e.precompiled.save(calls, e.name, e.buckets)  # loaded, not traced, next time
             e.persisted.save_artifacts(e.name)  # torch's artifacts, for a restart
         finally:
-            with e.lock:
-                e.warmups -= 1
-                e.update_gate()
+            e.gate.warming(background=False, pending=False)
 
     def wait_warm(self, timeout: float | None = None) -> bool:
         """Block until a background warmup has finished (``True``), or ``timeout`` passed.
 
         For readiness probes. Returns at once when there is no background warmup.
         """
-        return self._engine.background.wait(timeout)
+        return self._engine.gate.background.wait(timeout)
 
     def rollback(self, reason: Reason | str = Reason.MANUAL) -> None:
         """Trip to eager now."""
@@ -183,7 +180,7 @@ class Controller:
         e = self._engine
         if e.trips.ranks is not None:
             compiled, eager, _ = e.slots.totals()
-            e.trips.safe_point(compiled + eager)
+            e.safe_point(compiled + eager)
         return self.state
 
     def reset(self) -> None:
@@ -201,26 +198,9 @@ class Controller:
         # compile) ends first: torch cannot drop a code's graphs while a thread is between
         # compiling one and installing it (the process crashed). Then dynamo's compile
         # lock (any other compile), then the engine's, in the order a compile takes them.
-        with e.warm_lock, torchcompat.compile_lock() or contextlib.nullcontext(), e.lock:
-            e.table.clear()
-            e.start_afresh()
-            for code in e.backend.restart():  # ours, resume functions too
-                dropped = torchcompat.reset_code(code)
-                if dropped is not None:
-                    torch_missing(dropped)
-            e.trips.reset()
-            e.compiles.reset()
-            e.serving.restart()  # the slots' counts from zero; the metrics' go on
-            e.shadow.reset()
-            e.failures.forget()
-            e.persisted.forget()
-            e.precompiled.forget()
-            if e.buckets is not None:
-                e.buckets.clear()
-            if e.deferred is not None:
-                e.deferred.clear()
-            e.update_gate()
-        e.say(EventKind.RESET, "reset()")
+        with e.warm_lock, torchcompat.compile_lock() or contextlib.nullcontext(), e.gate.lock:
+            e.reset()
+        e.events.say(EventKind.RESET, "reset()")
         self._start_warmup()  # again, as at decoration: eager serves meanwhile
 
     def _start_warmup(self) -> None:
@@ -254,15 +234,15 @@ class Controller:
                 closed = torchcompat.close_symbolic_trace_window()
                 if closed is not None:
                     torch_missing(closed)
-        e.background_warmup(pending=True)
+        e.gate.warming(background=True, pending=True)
 
         def work() -> None:
             try:
                 run()
             except Exception as exc:
-                e.say_error(EventKind.WARMUP_FAILED, exc)  # eager keeps serving
+                e.events.say_error(EventKind.WARMUP_FAILED, exc)  # eager keeps serving
             finally:
-                e.background_warmup(pending=False)
+                e.gate.warming(background=True, pending=False)
 
         _workers.start(f"safecompile-warmup:{e.name}", work, nice=warmup.nice)
 
@@ -281,12 +261,12 @@ class Controller:
             "retry_at": e.trips.retry_at,
             "stats": self.stats().to_dict(),
             "graphs": [g.to_dict() for g in e.table],
-            "speed": e.speed.to_dict() if e.speed is not None else None,
+            "speed": e.speed.verdict.to_dict() if e.speed.verdict is not None else None,
             "shadow": e.shadow.describe(),
             "buckets": e.buckets.report() if e.buckets is not None else {},
             "bucketing": e.buckets.summary() if e.buckets is not None else None,
             "events": [event.to_dict() for event in self.events()],
-            "source": location_fields(e.location) or None,
+            "source": location_fields(e.events.location) or None,
             "ranks": e.trips.ranks.report() if e.trips.ranks is not None else None,
         }
 
@@ -310,17 +290,3 @@ def _compiled_state(compiled: list[GraphRecord], *, checked: bool) -> State:
     if checked and any(g.canary_left > 0 for g in compiled):
         return State.CANARY
     return State.COMPILED
-
-
-def _speed_figures(speed: CallSpeed | None) -> dict[str, Any]:
-    """The speed verdict's counters, for ``stats().extra["speed"]``."""
-    if speed is None:
-        return {"on": False, "probes": 0, "timed": 0, "rounds": 0, "last_ratio": None}
-    last = speed.last
-    return {
-        "on": True,
-        "probes": speed.probes,
-        "timed": speed.timed,
-        "rounds": speed.rounds,
-        "last_ratio": last.to_dict()["ratio"] if last is not None else None,
-    }

@@ -1,268 +1,50 @@
-"""The paths a call takes: one hot-path closure, and the slow paths behind it.
+"""The slow paths: every call the hot path (:mod:`._hot`) does not finish alone.
 
-The hot path is one frame: re-read the kill switch only when the environment's value
-object is not the one last read (``disable()`` makes it stale: ``killswitch.watch``),
-then — when the gate is open — call the compiled function and look at the calling
-thread's slot, where the graph wrappers noted which graph served the call and whether a
-check is due. Nothing due: count the call in the thread's own slot and
-return. Everything else is a slow path, handed the :class:`~.engine.Engine` and one
-:class:`~.slots.CallState` record for the call:
+Each is handed the :class:`~._engine.Engine` and one :class:`~._slots.Call` record:
 
-- :func:`finish`: a check was due, a graph ran eagerly (recompile limit), or no graph
-  ran at all;
+- :func:`finish`: the compiled call returned, and a check was due, a graph ran eagerly
+  (recompile limit), a graph ran for the first time, or no graph ran at all;
 - :func:`recover`: the compiled path raised; eager answers, on the caller's own
   tensors (so gradients reach them), or eager's own error is raised;
 - :func:`call_slow`: the gate is closed (a trial due, rollout, a compile or warmup in
-  flight, nothing compiled yet), or a bucket still needs verifying.
+  flight, nothing compiled yet, the speed verdict wants the call), or a bucket still
+  needs verifying.
 
-With the kill switch on, or rolled back with no trial to come (``gate.eager``: no clock
-read), or none due yet (one clock read against ``gate.eager_until``), the hot path itself
-serves eager, as the slow path would, and counts it in the thread's slot.
+What a path learns (a breach, a failure, a verdict) it hands to the engine
+(``Engine.trip``, ``Engine.act``), which acts on it in one place.
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import logging
-import sys
-import threading
-import types
-from collections.abc import Callable, Hashable
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from safecompile.base import killswitch as ks
 from safecompile.base import torchcompat
-from safecompile.base.errors import ConfigError
 from safecompile.base.model import EventKind, Reason
 from safecompile.checks.snapshot import Snapshot
 from safecompile.checks.speed import Step
-from safecompile.observe.log import Once
-from safecompile.observe.source import (
-    exception_chain,
-    safe_message,
-    truncate,
-    without_our_frames,
-)
 from safecompile.persist import remote
 from safecompile.shapes.buckets import BucketError
-from safecompile.shapes.table import BucketEntry, BucketStatus, unmark
+from safecompile.shapes.table import BucketStatus, unmark
 
+from ._buckets import bucket_fault, plan_bucket, reject_bucket
 from ._deferred import copy_call, signature
 from ._engine import Engine
-from .graphs import Call, CallSlot, FirstRun, GraphRecord
-from .shadow import sync_device
+from ._first_run import FirstRun
+from ._logs import META_LOG
+from ._slots import Call
+from ._speed import call_key
+from .backend import compile_seconds
+from .graphs import GraphRecord
+from .shadow import Outcome, run_later, sync_device
 
-__all__ = ["call_slow", "defer", "entrypoint", "finish", "recover", "warm_call"]
+__all__ = ["call_slow", "defer", "finish", "recover", "warm_call"]
 
 # Exceptions raised while dynamo traces or a backend compiles (not by compiled code).
 _COMPILE_ERRORS: tuple[type[BaseException], ...] = torchcompat.compile_errors()
-
-
-_NONE: Any = None  # typed Any: the call below changes what the slot holds
-
-
-class _Held(threading.local):
-    """One thread's held log records (see :class:`_MetaLogHold`)."""
-
-    def __init__(self) -> None:
-        self.records: collections.deque[logging.LogRecord] = collections.deque(maxlen=16)
-        self.replaying = False
-
-
-class _MetaLogHold(logging.Filter):
-    """Holds torch's ``failed while attempting to run meta`` error log (a traceback per op)
-    logged inside a guarded call: :func:`recover` drops it when eager raises too (the
-    user's own bug: eager's error says it all) and hands it on otherwise."""
-
-    LOGGER = torchcompat.FAKE_TENSOR_LOGGER
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.held = _Held()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if self.held.replaying or not _in_guarded_call():
-            return True
-        self.held.records.append(record)
-        return False
-
-    def drop(self) -> None:
-        self.held.records.clear()
-
-    def replay(self) -> None:
-        held = self.held
-        records = list(held.records)
-        held.records.clear()
-        held.replaying = True
-        try:
-            for record in records:
-                logging.getLogger(self.LOGGER).handle(record)
-        finally:
-            held.replaying = False
-
-
-def _in_guarded_call() -> bool:
-    """Whether a frame of this module (a guarded call's path) is on the stack."""
-    frame: types.FrameType | None = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_filename == __file__:
-            return True
-        frame = frame.f_back
-    return False
-
-
-_META_LOG = _MetaLogHold()
-logging.getLogger(_MetaLogHold.LOGGER).addFilter(_META_LOG)
-
-
-class _TorchLimitQuiet(logging.Filter):
-    """Drops dynamo's own recompile-limit warning raised inside a guarded call: our
-    ``recompile_limit`` event said it first (our limit is below torch's), and the calls
-    past torch's limit are counted as ``recompile_limit`` too. Elsewhere it stays."""
-
-    LOGGER, START = torchcompat.RECOMPILE_LIMIT_LOG
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        said_by_us = isinstance(record.msg, str) and record.msg.startswith(self.START)
-        return not (said_by_us and _in_guarded_call())
-
-
-logging.getLogger(_TorchLimitQuiet.LOGGER).addFilter(_TorchLimitQuiet())
-
-
-def entrypoint(e: Engine) -> Callable[..., Any]:
-    """The guarded function (see the module doc). With a process group, every call is
-    counted for the ranks' safe points; without one, nothing is added."""
-    guarded = _bucketed_entrypoint(e) if e.buckets is not None else _entrypoint(e)
-    ranks = e.trips.ranks
-    return ranks.counting(guarded, e.trips.safe_point) if ranks is not None else guarded
-
-
-def _entrypoint(e: Engine) -> Callable[..., Any]:
-    gate = e.gate
-    fn = e.fn
-    local = e.slots.local
-    new_slot = e.slots.get
-    env_get, env_key = _env_reader()
-    refresh = e.refresh_switch
-    tick = e.speed_tick
-    clock = e.clock
-
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        try:  # an error escaping is eager's: raised from the user's line, not ours
-            if env_get(env_key) is not gate.token:  # stale after disable() too (ks.watch)
-                refresh()
-            if gate.fast:
-                try:
-                    slot: CallSlot = local.slot
-                except AttributeError:
-                    slot = new_slot()
-                slot.first = _NONE  # the graph wrappers fill these in during the call
-                slot.due = _NONE
-                try:  # no empty dict built for a call without keywords
-                    out = gate.compiled(*args, **kwargs) if kwargs else gate.compiled(*args)
-                except Exception as exc:
-                    failure: Exception = exc
-                else:
-                    first = slot.first
-                    if slot.due is None and first is not None:  # a limited graph sets due
-                        slot.compiled = n = slot.compiled + 1
-                        if n >= slot.mark:  # the speed verdict is told calls in batches
-                            tick(slot)
-                        return out
-                    return finish(e, Call(args, kwargs, slot), out)
-                # outside except: eager's error unchained
-                return recover(e, Call(args, kwargs, slot), failure)
-            if gate.eager or clock() < gate.eager_until:  # kill switch, rolled back: eager
-                try:
-                    slot = local.slot
-                except AttributeError:
-                    slot = new_slot()
-                slot.eager += 1  # counted first: a call eager raises in counts too
-                return fn(*args, **kwargs) if kwargs else fn(*args)
-            return call_slow(e, args, kwargs)
-        except Exception as exc:
-            raise without_our_frames(exc)  # noqa: B904 - the user's error, kept unchained
-
-    return guarded
-
-
-def _bucketed_entrypoint(e: Engine) -> Callable[..., Any]:  # noqa: PLR0915 - one frame
-    """The hot path with buckets: plan, pad, call, cut back (see :func:`entrypoint`)."""
-    assert e.buckets is not None
-    gate = e.gate
-    fn = e.fn
-    local = e.slots.local
-    new_slot = e.slots.get
-    env_get, env_key = _env_reader()
-    refresh = e.refresh_switch
-    tick = e.speed_tick
-    clock = e.clock
-    bucketer, entries, pads = e.buckets.bucketer, e.buckets.entries, e.buckets.pads
-    plan_of, pad, unpad = bucketer.plan, bucketer.pad, bucketer.unpad
-    ready = BucketStatus.READY
-
-    def guarded(*args: Any, **kwargs: Any) -> Any:  # noqa: PLR0912 - one frame on purpose
-        try:  # an error escaping is eager's: raised from the user's line, not ours
-            if env_get(env_key) is not gate.token:  # stale after disable() too (ks.watch)
-                refresh()
-            if gate.fast:
-                plan = plan_of(args, kwargs)
-                if plan is not None and plan.status == "bucketed":
-                    entry = entries.get(plan.key)
-                    padded = pads and plan.padded
-                    if (
-                        entry is not None
-                        and entry.status is ready
-                        and (entry.cuts is not None or not padded)
-                    ):
-                        try:
-                            slot: CallSlot = local.slot
-                        except AttributeError:
-                            slot = new_slot()
-                        slot.first = _NONE
-                        slot.due = _NONE
-                        try:
-                            if padded:
-                                a, k = pad(plan, args, kwargs)
-                                out = unpad(plan, gate.compiled(*a, **k), entry.cuts)
-                            else:
-                                out = gate.compiled(*args, **kwargs)
-                        except Exception as exc:
-                            failure: Exception = exc
-                        else:
-                            entry.count(plan, padded=padded)
-                            first = slot.first
-                            if slot.due is None and first is not None:  # a limited graph sets due
-                                slot.compiled = n = slot.compiled + 1
-                                if n >= slot.mark:  # the speed verdict is told in batches
-                                    tick(slot)
-                                return out
-                            return finish(e, Call(args, kwargs, slot, plan=plan, entry=entry), out)
-                        return recover(e, Call(args, kwargs, slot, plan=plan, entry=entry), failure)
-            elif gate.eager or clock() < gate.eager_until:  # kill switch, rolled back: eager
-                try:
-                    slot = local.slot
-                except AttributeError:
-                    slot = new_slot()
-                slot.eager += 1  # counted first: a call eager raises in counts too
-                return fn(*args, **kwargs) if kwargs else fn(*args)
-            return call_slow(e, args, kwargs)
-        except Exception as exc:
-            raise without_our_frames(exc)  # noqa: B904 - the user's error, kept unchained
-
-    return guarded
-
-
-def _env_reader() -> tuple[Callable[[object], object], object]:
-    """How the hot path reads the kill switch's raw environment value (see _killswitch)."""
-    data = ks._ENV_DATA
-    if data is not None:
-        return data.get, ks._ENV_KEY
-    return (lambda _key: ks.env_token()), None  # pragma: no cover
 
 
 # ---------------------------------------------------------------- after the compiled call
@@ -271,18 +53,19 @@ def _env_reader() -> tuple[Callable[[object], object], object]:
 def finish(e: Engine, call: Call, out: Any) -> Any:
     """The compiled call returned, and something needs more than counting."""
     slot = call.slot
-    first, due, snapshot, new, fresh = slot.first, slot.due, slot.snapshot, slot.new, slot.fresh
-    if fresh is not None:  # a graph's first run (graphs._first_run) is no timing either
-        new = new or fresh
+    first, due, snapshot, fresh = slot.first, slot.due, slot.snapshot, slot.fresh
+    # a graph's first run (._first_run) is no timing either
+    new: list[Any] | None = slot.new if fresh is None else slot.new or fresh
     held = slot.held
     if held:  # a frame ran eagerly instead of making a new graph: compile it later
         slot.held = False
         if not call.warmup:
             defer(e, call)
-    if slot.timer >= 0.0:  # its time goes to the speed verdict, unless it is no live call's:
-        sync_device(out)  # no compiled graph served it, or it compiled one
-        elapsed = e.speed_clock() - slot.timer
-        slot.timer = -1.0
+    started = slot.started
+    if call.timed:  # its time goes to the speed verdict, unless it is no live call's:
+        call.timed = False  # no compiled graph served it, or it compiled one
+        sync_device(out)
+        elapsed = e.costs() - started
         served = first is not None and first.compiled and new is None
         e.speed_done(Step.TIME_COMPILED, elapsed if served else None)
     slot.end()
@@ -293,15 +76,15 @@ def finish(e: Engine, call: Call, out: Any) -> Any:
         # code ran eagerly, or dynamo ran the frame eagerly: past torch's own limit (above
         # ours), or it made no graph of it (nothing to compile), or held back a new graph
         # to compile off the request path (warming)
-        limited = first is not None or e.tally.limit_said
-        call.count_eager("warming" if held else "recompile_limit" if limited else "no_graph")
+        limited = first is not None or e.events.tally.limit_said
+        _count_eager(call, "warming" if held else "recompile_limit" if limited else "no_graph")
         return out
     if due:
         if snapshot is None:
             first.prep = True  # a later graph is due: capture the state at the first
         else:
             first.prep = False
-            answer = _check(e, call, due, snapshot, out, new=new)
+            answer = _check(e, call, due, snapshot, out, started if new is None else None)
             if answer is not None:
                 return answer[0]
     if not call.warmup:
@@ -326,7 +109,7 @@ def _first_runs(e: Engine, call: Call, runs: list[FirstRun]) -> bool:
             max_abs=seen.max_abs,
             max_rel=seen.max_rel,
         )
-        call.count_eager("check")
+        _count_eager(call, "check")
         return True
     return False
 
@@ -341,6 +124,7 @@ def _checked_after_breach(
         verdict = e.shadow.check(
             e.table, due, snapshot, call.args, call.kwargs, out, compiled_s=None
         )
+        _check_later(e, verdict)
         if verdict.use_eager or verdict.breach is not None:
             discarded(e)
             return verdict.eager_out
@@ -348,76 +132,88 @@ def _checked_after_breach(
 
 
 def _check(
-    e: Engine, call: Call, due: list[GraphRecord], snapshot: Snapshot, out: Any, *, new: object
+    e: Engine,
+    call: Call,
+    due: list[GraphRecord],
+    snapshot: Snapshot,
+    out: Any,
+    started: float | None,
 ) -> tuple[Any] | None:
-    """Shadow-check a compiled call; ``(eager's result,)`` when eager answers it."""
+    """Shadow-check a compiled call (``started``: its start on the cost clock, ``None``:
+    not a timing, it compiled); ``(eager's result,)`` when eager answers it."""
     compiled_s = None
-    if new is None:  # a call that compiled is not a timing
+    if started is not None and started >= 0.0:
         sync_device(out)  # on CUDA: the work done, not its launch
-        compiled_s = e.clock() - call.slot.started
+        compiled_s = e.costs() - started
     verdict = e.shadow.check(
         e.table, due, snapshot, call.args, call.kwargs, out, compiled_s=compiled_s
     )
+    _check_later(e, verdict)
     if not verdict.use_eager and verdict.breach is None:
         return None
     discarded(e)  # the compiled outputs go unused
     if verdict.breach is not None:
-        e.trip(
-            Reason.DRIFT,
-            message=verdict.breach,
-            graph=verdict.graph,
-            max_abs=verdict.max_abs,
-            max_rel=verdict.max_rel,
-        )
-    call.count_eager("check")
+        _drifted(e, verdict)
+    _count_eager(call, "check")
     return (verdict.eager_out,)
+
+
+def _drifted(e: Engine, verdict: Outcome) -> None:
+    """A check found drift: trip."""
+    e.trip(
+        Reason.DRIFT,
+        message=verdict.breach,
+        graph=verdict.graph,
+        max_abs=verdict.max_abs,
+        max_rel=verdict.max_rel,
+    )
+
+
+def _check_later(e: Engine, verdict: Outcome) -> None:
+    """An async check runs on the shadow worker; drift it finds trips there."""
+    later = verdict.later
+    if later is None:
+        return
+
+    def check() -> None:
+        outcome = later()
+        if outcome.breach is not None:
+            _drifted(e, outcome)
+
+    run_later(check)
 
 
 def recover(e: Engine, call: Call, failure: Exception) -> Any:
     """The compiled path raised: answer with eager's result, or eager's own error."""
     call.slot.end()
     call.slot.held = False
-    if call.entry is not None and _bucket_fault(e, failure, call.entry):
+    if call.entry is not None and bucket_fault(e, failure, call.entry):
         return eager(e, call, "bucket")
     try:
         out = e.fn(*call.args, **call.kwargs)
     except Exception:
         del failure  # eager raises too: the user's own error, not the compiler's
-        _META_LOG.drop()  # torch's log of it while tracing is noise: eager's error says it
+        META_LOG.drop()  # torch's log of it while tracing is noise: eager's error says it
         raise
     finally:
-        call.count_eager("error")
-    _META_LOG.replay()
+        _count_eager(call, "error")
+    META_LOG.replay()
     if not isinstance(failure, _COMPILE_ERRORS):
         e.trip(Reason.RUNTIME_ERROR, error=failure, bucket=call.bucket)
     # a fault of what torch read from its remote caches: the next call compiles without it
     elif not remote.cache_fault(failure):
-        e.compile_failed(failure, call)
+        e.failures.persist(e.name, failure, call.args, call.kwargs)
+        e.events.compile_failed(failure, call.bucket, compile_seconds(e.clock))
         e.trip(Reason.COMPILE_ERROR, error=failure, bucket=call.bucket)
     return out
 
 
-def _bucket_fault(e: Engine, failure: Exception, entry: BucketEntry) -> bool:
-    """Whether the failure is the bucket's own (padding, cutting back, a dynamic range
-    torch cannot keep): then only that bucket is rejected."""
-    if isinstance(failure, BucketError):
-        reject_bucket(e, entry, f"padding or cutting back failed: {failure}")
-        return True
-    assert e.buckets is not None
-    # A range's first compile failing while other graphs compiled fine is the range's
-    # fault; with nothing compiled yet it is the compiler's: trip, as without buckets.
-    first_range_compile = (
-        not e.buckets.pads and entry.status is BucketStatus.NEW and any(g.compiled for g in e.table)
-    )
-    chain = exception_chain(failure, inner=True, limit=8)
-    if any("ConstraintViolation" in type(seen).__name__ for seen in chain) or (
-        first_range_compile and isinstance(failure, _COMPILE_ERRORS)
-    ):
-        reject_bucket(
-            e, entry, f"its range cannot be compiled as one dynamic graph: {safe_message(failure)}"
-        )
-        return True
-    return False
+def _count_eager(call: Call, why: str) -> None:
+    """Count the call as served eager, for ``why`` (a key of ``EAGER_REASONS``); a warmup
+    call is not counted."""
+    if not call.warmup:
+        call.slot.eager += 1
+        call.slot.why[why] += 1
 
 
 def eager(e: Engine, call: Call, why: str) -> Any:
@@ -428,7 +224,7 @@ def eager(e: Engine, call: Call, why: str) -> Any:
     try:
         return e.fn(*call.args, **call.kwargs)
     finally:
-        call.count_eager(why)
+        _count_eager(call, why)
 
 
 # ---------------------------------------------------------------- the gate is closed
@@ -445,7 +241,7 @@ def call_slow(
     trial = admitted == "trial"
     before = call.slot.compiled
     try:
-        if len(e.table) > 0 or (e.deferred is not None and not warmup):
+        if e.table.size > 0 or (e.deferred is not None and not warmup):
             return _call_compiled(e, call, force=trial or warmup)  # (deferred: no compile)
         # Nothing compiled yet: own the first compile, so other threads serve eager
         # instead of compiling the same graph again (torch does not de-duplicate).
@@ -455,7 +251,7 @@ def call_slow(
             return _call_compiled(e, call, force=trial or warmup)
     finally:
         if trial:
-            e.trips.end_trial(served=call.slot.compiled > before)
+            e.act(e.trips.end_trial(served=call.slot.compiled > before))
 
 
 def warm_call(e: Engine, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -489,7 +285,7 @@ def defer(e: Engine, call: Call) -> None:
             with torch.inference_mode(inference), torch.set_grad_enabled(grad):
                 warm_call(e, args, kwargs)
         except Exception as exc:  # eager raised on the copy: live calls serve on, eager
-            e.say_error(EventKind.WARMUP_FAILED, exc)
+            e.events.say_error(EventKind.WARMUP_FAILED, exc)
 
     deferred.submit(key, compile_it)
 
@@ -499,30 +295,34 @@ def discarded(e: Engine) -> None:
     under CUDA graphs with gradients on, its backward would stay pending forever and
     torch would start no new iteration, so start one (docs/design.md, "Under CUDA graphs").
     """
-    if e.cudagraphs and torch.is_grad_enabled():
+    if e.backend.cudagraphs and torch.is_grad_enabled():
         with contextlib.suppress(Exception):  # never breaks a call
             mark_step: Callable[[], None] = torch.compiler.cudagraph_mark_step_begin
             mark_step()
 
 
-def _admit(e: Engine, call: Call) -> str:
+def _admit(e: Engine, call: Call) -> str:  # noqa: PLR0911 - one reason per return
     """Whether this call may try the compiled path: ``"trial"`` (the half-open trial),
     ``"compiled"``, or why eager serves it (a key of ``Stats.eager_by_reason``)."""
-    if e.gate.disabled:
-        return "disabled"
-    if e.trips.tripped:
-        return "trial" if not call.warmup and e.trips.claim_trial() else "rolled_back"
+    blocked = e.gate.blocked(here=True)  # the gate's own predicate
+    if blocked == "disabled":
+        return blocked
+    if blocked == "rolled_back":
+        trial = None if call.warmup else e.trips.claim_trial()
+        if trial is None:
+            return blocked
+        e.act(trial)
+        return "trial"
     if not call.warmup:
-        if e.opts.rollout < 1.0 and not e.pick_compiled():
+        if e.gate.rollout < 1.0 and not e.gate.pick():
             return "rollout"
-        # a warmup, or a compile in flight elsewhere (unless deferred): eager meanwhile
-        if e.warming_up or (e.deferred is None and e.compiles.busy_elsewhere()):
-            return "warming"
+        if blocked is not None:  # a warmup, or a compile in flight elsewhere: eager meanwhile
+            return blocked
     known = e.failures.known(call.args, call.kwargs)
     if known is not None:
         e.trip(Reason.COMPILE_ERROR, message=known)
         return "error"
-    if len(e.table) == 0 and e.persisted.active:
+    if e.table.size == 0 and e.persisted.active:
         e.persisted.load_artifacts(call.args, call.kwargs)  # once: torch's artifacts
         e.precompiled.load(call.args, call.kwargs, e.backend.adopt)  # once: loaded, not traced
     return "compiled"
@@ -530,23 +330,25 @@ def _admit(e: Engine, call: Call) -> str:
 
 def _call_compiled(e: Engine, call: Call, *, force: bool) -> Any:
     """Call the compiled function from the slow path (buckets planned here)."""
-    why = "bucket" if not _plan_bucket(e, call) else "warming" if _deferred_now(e, call) else None
+    why = "bucket" if not plan_bucket(e, call) else "warming" if _deferred_now(e, call) else None
     if why is not None:  # its bucket runs eager, or its first compile is deferred
         return eager(e, call, why)
     slot = call.slot
     step = Step.UNTIMED
-    if e.speed is not None and not (force or call.warmup):
+    if e.speed.verdict is not None and not (force or call.warmup):
         step = _plan_speed(e, call)
         if step is Step.TIME_EAGER:
             return _probe(e, call)
         if step is Step.EAGER:  # a call that settles the eager arm before a probe
             return eager(e, call, "speed")
-    slot.begin()
+    slot.first = slot.due = slot.snapshot = slot.new = slot.fresh = None  # a new call
+    slot.started = -1.0
     slot.force = force
-    slot.call = call
+    slot.bucket = call.entry.label if call.entry is not None else None
     if step is Step.TIME_COMPILED:
         sync_device((call.args, call.kwargs))
-        slot.timer = e.speed_clock()
+        call.timed = True
+        slot.started = e.costs()
     try:
         if call.plan is not None:
             return _call_bucket(e, call)
@@ -559,9 +361,10 @@ def _call_compiled(e: Engine, call: Call, *, force: bool) -> Any:
         return recover(e, call, failure)
     finally:
         slot.force = False
-        slot.call = None
-        if slot.timer >= 0.0:  # a timed call that did not reach finish(): not a time
-            slot.timer = -1.0
+        slot.bucket = None
+        slot.started = -1.0
+        if call.timed:  # a timed call that did not reach finish(): not a time
+            call.timed = False
             e.speed_done(Step.TIME_COMPILED, None)
 
 
@@ -569,39 +372,18 @@ def _deferred_now(e: Engine, call: Call) -> bool:
     """With deferred compiles, a live call while nothing is compiled yet is deferred at
     once: eager serves it. Any other call tries the compiled function, where a frame that
     would make a new graph runs eagerly instead (``slot.held``)."""
-    if e.deferred is None or call.warmup or len(e.table) > 0:
+    if e.deferred is None or call.warmup or e.table.size > 0:
         return False
     defer(e, call)
     return True
 
 
-def _plan_bucket(e: Engine, call: Call) -> bool:
-    """Plan the call's bucket into ``call`` (none: not bucketed); ``False`` when eager
-    serves the call (oversize, or a rejected bucket)."""
-    if e.buckets is None:
-        return True
-    bucketer = e.buckets.bucketer
-    plan = bucketer.plan(call.args, call.kwargs)
-    if plan is not None and plan.status == "oversize":
-        return bucketer.policy.oversize != "eager"  # or compile the shape as it is
-    if plan is None or plan.status != "bucketed":
-        if plan is not None:  # a dim past the argument's rank
-            _check_bucket_dims(e, call)
-        return True  # unbucketable: run it unpadded
-    entry = e.buckets.entry(plan)
-    if not entry.looked_up:  # what an earlier process learnt (persist.restart)
-        e.persisted.restore(entry, call.args, call.kwargs)
-    call.plan, call.entry = plan, entry
-    return entry.status is not BucketStatus.REJECTED
-
-
 def _plan_speed(e: Engine, call: Call) -> Step:
     """Whether the speed verdict times this call, and on which arm (see
     :mod:`safecompile.checks.speed`). A bucket still verifying its padding is not timed."""
-    speed = e.speed
-    assert speed is not None
     e.speed_tick(call.slot)
-    if not speed.wants:
+    verdict = e.speed.verdict
+    if verdict is None or not verdict.wants:
         return Step.UNTIMED
     plan, entry = call.plan, call.entry
     pads = e.buckets is not None and e.buckets.pads
@@ -613,46 +395,23 @@ def _plan_speed(e: Engine, call: Call) -> Step:
         )
     ):
         return Step.UNTIMED
-    return speed.plan(call_key(call.args, call.kwargs, call.bucket, e.module))
+    return e.speed.plan(call_key(call.args, call.kwargs, call.bucket, e.module))
 
 
 def _probe(e: Engine, call: Call) -> Any:
     """The eager arm of a pair: the original function on the caller's own arguments
     (its values, side effects and gradients are the caller's), timed."""
     sync_device((call.args, call.kwargs))
-    started = e.speed_clock()
+    started = e.costs()
     elapsed: float | None = None  # eager raised: the caller gets its error, as eager would
     try:
         out = e.fn(*call.args, **call.kwargs)
         sync_device(out)
-        elapsed = e.speed_clock() - started
+        elapsed = e.costs() - started
     finally:
-        call.count_eager("speed")
+        _count_eager(call, "speed")
         e.speed_done(Step.TIME_EAGER, elapsed)
     return out
-
-
-def call_key(
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    bucket: str | None,
-    module: torch.nn.Module | None,
-) -> Hashable:
-    """What groups like calls for a pair (cheap: it runs on every call of a round); a
-    tensor's size rounded up to a power of two, so variable-length traffic still pairs."""
-    parts: list[object] = [bucket, torch.is_grad_enabled(), tuple(kwargs)]
-    if module is not None:
-        parts.append(module.training)
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            n = value.numel()
-            size = 1 << (n - 1).bit_length() if n > 1 else n
-            parts.append((value.dtype, value.device.type, value.requires_grad, value.dim(), size))
-        elif isinstance(value, bool):
-            parts.append(value)
-        else:
-            parts.append(type(value))
-    return tuple(parts)
 
 
 def _call_bucket(e: Engine, call: Call) -> Any:
@@ -758,52 +517,5 @@ def _verify_bucket(e: Engine, call: Call, padded_out: Any) -> Any:
 
 
 def _served_eager(call: Call, out: Any, why: str) -> Any:
-    call.count_eager(why)
+    _count_eager(call, why)
     return None if call.warmup else out
-
-
-def reject_bucket(
-    e: Engine,
-    entry: BucketEntry,
-    why: str,
-    *,
-    max_abs: float | None = None,
-    max_rel: float | None = None,
-) -> None:
-    """Stop using a bucket: its calls run eager from now on (the callable stays up)."""
-    with e.lock:
-        if entry.status is BucketStatus.REJECTED:
-            return
-        entry.status = BucketStatus.REJECTED
-        entry.why = truncate(why, 300)
-    e.persisted.keep_rejected(entry, truncate(why, 300), e.name)
-    e.say(
-        EventKind.BUCKET_REJECTED,
-        truncate(f"bucket not used: {why}"),
-        here=True,
-        reason=Reason.DRIFT,
-        bucket=entry.label,
-        max_abs_diff=max_abs,
-        max_rel_diff=max_rel,
-    )
-
-
-_dims_said = Once()
-
-
-def _check_bucket_dims(e: Engine, call: Call) -> None:
-    """A bucketed dim past its argument's rank is the user's configuration mistake: a
-    warmup raises its ``ConfigError``; a live call is served unpadded (eager would not
-    raise) with one warning per callable and message."""
-    assert e.buckets is not None
-    try:
-        e.buckets.bucketer.check_dims(call.args, call.kwargs)
-    except ConfigError as error:
-        if call.warmup:
-            raise
-        _dims_said.warn(
-            (e.name, str(error)),
-            "safecompile.bucket_dims_wrong",
-            function=e.name,
-            description=truncate(f"{error}; calls with this shape run unpadded"),
-        )

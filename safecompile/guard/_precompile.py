@@ -47,7 +47,7 @@ from safecompile.persist.sources import code_record, describe_global, stale_reas
 from safecompile.shapes.buckets import Plan
 from safecompile.shapes.table import BucketStatus, BucketTable, unmark
 
-from .graphs import GraphFacts, read_facts
+from .facts import GraphFacts, read_facts
 
 __all__ = ["Precompiled"]
 

@@ -15,7 +15,6 @@ import collections
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any
 
 from safecompile.base.model import EAGER_REASONS
 from safecompile.base.options import Clock
@@ -58,11 +57,11 @@ class Recent:
 class Serving:
     """The counts of one guarded callable by who served them (see the module doc)."""
 
-    def __init__(self, slots: Slots[Any], clock: Clock) -> None:
+    def __init__(self, slots: Slots, clock: Clock) -> None:
         self._slots = slots
         self._clock = clock
         self._lock = threading.Lock()
-        self._mode: str | None = None  # the gate's eager mode (see gate_mode)
+        self.mode: str | None = None  # the gate's eager mode (see gate_mode)
         self._before = (0, 0)  # compiled and eager calls before the last reset()
         self._forget()
 
@@ -92,16 +91,16 @@ class Serving:
     def gate_mode(self, mode: str | None) -> None:
         """The gate's eager mode now (``"disabled"``, ``"rolled_back"`` or ``None``: open);
         on a change, the hot path's eager calls so far go to the mode that ends."""
-        if mode == self._mode:  # unlocked first read: a change of mode is rare
+        if mode == self.mode:  # unlocked first read: a change of mode is rare
             return
         with self._lock:
-            if mode == self._mode:
+            if mode == self.mode:
                 return
             _, eager, why = self._slots.counts()
             rest = eager - sum(why.values())
-            self._folded[self._mode or "other"] += rest - self._base
+            self._folded[self.mode or "other"] += rest - self._base
             self._base = rest
-            self._mode = mode
+            self.mode = mode
 
     def counts(self) -> Counts:
         """The totals now, eager calls by why."""
@@ -111,7 +110,7 @@ class Serving:
             by_reason = dict.fromkeys(EAGER_REASONS, 0)
             for key, n in (why + self._folded).items():
                 by_reason[key] = by_reason.get(key, 0) + n
-            by_reason[self._mode or "other"] += rest - self._base
+            by_reason[self.mode or "other"] += rest - self._base
         return Counts(compiled, eager, by_reason)
 
     def recent(self, counts: Counts) -> Recent:

@@ -2,9 +2,9 @@
 
 Every thread that calls a guarded callable gets one :class:`Slot` (a thread-local): the
 hot path counts in its own slot, without a lock, and the graph wrappers
-(:mod:`safecompile.guard.graphs`) note there which graph served the call and whether a
-check is due. A call that takes the slow path is one :class:`CallState`, handed along
-that path (:mod:`safecompile.guard._paths`).
+(:mod:`safecompile.guard.backend`) note there which graph served the call and whether a
+check is due. A call that takes the slow path is one :class:`Call`, handed along that
+path (:mod:`safecompile.guard._paths`); the slot knows nothing of it.
 """
 
 from __future__ import annotations
@@ -12,23 +12,25 @@ from __future__ import annotations
 import threading
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any
+
+from .graphs import GraphRecord
 
 if TYPE_CHECKING:
     from safecompile.checks.snapshot import Snapshot
     from safecompile.shapes.buckets import Plan
     from safecompile.shapes.table import BucketEntry
 
-__all__ = ["CallState", "Slot", "Slots"]
+    from ._first_run import FirstRun
 
-G = TypeVar("G")  # the graph record (:class:`safecompile.guard.graphs.GraphRecord`)
+__all__ = ["Call", "Slot", "Slots"]
 
 
-class Slot(Generic[G]):
+class Slot:
     """One thread's view of its current call, and its counters."""
 
     __slots__ = (
-        "call",
+        "bucket",
         "compiled",
         "due",
         "eager",
@@ -41,7 +43,6 @@ class Slot(Generic[G]):
         "seen",
         "snapshot",
         "started",
-        "timer",
         "why",
     )
 
@@ -51,26 +52,23 @@ class Slot(Generic[G]):
         # of those, the ones counted off the hot path, by why (``Stats.eager_by_reason``);
         # the hot path's own eager calls (kill switch, rolled back) are the rest
         self.why: Counter[str] = Counter()
-        self.first: G | None = None  # the first graph that ran in this call
-        self.due: list[G] | None = None  # graphs whose check is due
+        # What the slow path tells the wrappers and the backend about its call in progress:
         self.force = False  # check this call whatever the countdowns say (trials, warmup)
+        self.bucket: str | None = None  # its bucket's label (a new graph is recorded in it)
+        # What the wrappers (and torch's frame hook) note during a call:
+        self.first: GraphRecord | None = None  # the first graph that ran in this call
+        self.due: list[GraphRecord] | None = None  # graphs whose check is due
         self.held = False  # a frame of this call ran eagerly instead of making a new graph
         self.snapshot: Snapshot | None = None  # state before the first graph ran
-        self.new: list[G] | None = None  # graphs compiled during this call
-        self.fresh: list[Any] | None = None  # graphs' first runs in this call (graphs.FirstRun)
-        self.started = 0.0  # clock when the first graph of a checked call started
-        self.call: CallState[G] | None = None  # the slow call in progress, if any
+        self.new: list[GraphRecord] | None = None  # graphs compiled during this call
+        self.fresh: list[FirstRun] | None = None  # graphs' first runs in this call
+        # the call's one start stamp, on the cost clock (-1.0: none): set by the slow path
+        # before a timed call, else by the wrapper when a check is due at the first graph
+        self.started = -1.0
         # The speed verdict (safecompile.checks.speed): the hot path reports to it when
-        # ``compiled`` reaches ``mark``; ``seen`` is what it was told so far; ``timer``
-        # is the clock at the start of a timed compiled call (-1.0: not timed).
+        # ``compiled`` reaches ``mark``; ``seen`` is what it was told so far.
         self.mark = 0
         self.seen = 0
-        self.timer = -1.0
-
-    def begin(self) -> None:
-        """Forget the previous call (the slow path's form of the hot path's two writes)."""
-        self.first = None
-        self.end()
 
     def end(self) -> None:
         """Drop what the call noted for its check (and the references it held)."""
@@ -78,10 +76,11 @@ class Slot(Generic[G]):
         self.snapshot = None
         self.new = None
         self.fresh = None
+        self.started = -1.0
 
 
 @dataclass(slots=True, eq=False)
-class CallState(Generic[G]):
+class Call:
     """One call down the slow path: its arguments, its thread's slot, and its bucket.
 
     A warmup call (:meth:`Controller.warmup`) is checked like any other but not counted,
@@ -90,47 +89,36 @@ class CallState(Generic[G]):
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    slot: Slot[G]
+    slot: Slot
     warmup: bool = False
     plan: Plan | None = None  # its bucket's plan (``None``: not bucketed)
     entry: BucketEntry | None = None  # what is known of that bucket
+    timed: bool = False  # the speed verdict times it (from ``slot.started``)
 
     @property
     def bucket(self) -> str | None:
         return self.entry.label if self.entry is not None else None
 
-    def count_eager(self, why: str) -> None:
-        """Count the call as served eager, for ``why`` (a key of ``EAGER_REASONS``)."""
-        if not self.warmup:
-            self.slot.eager += 1
-            self.slot.why[why] += 1
 
-
-class Slots(Generic[G]):
+class Slots:
     """The slots of one guarded callable, one per calling thread."""
 
     def __init__(self) -> None:
         self.local: Any = threading.local()
         self._lock = threading.Lock()
-        self._all: list[tuple[threading.Thread, Slot[G]]] = []
-        self._gone: Slot[G] = Slot()  # the counts of threads that have ended
+        self._all: list[tuple[threading.Thread, Slot]] = []
+        self._gone: Slot = Slot()  # the counts of threads that have ended
 
-    def get(self) -> Slot[G]:
+    def get(self) -> Slot:
         """This thread's slot (made on its first call)."""
         try:
-            slot: Slot[G] = self.local.slot
+            slot: Slot = self.local.slot
         except AttributeError:
             slot = Slot()
             self.local.slot = slot
             with self._lock:
                 self._all.append((threading.current_thread(), slot))
         return slot
-
-    def bucket(self) -> str | None:
-        """The bucket of this thread's slow call in progress (``None``: none)."""
-        slot: Slot[G] | None = getattr(self.local, "slot", None)
-        call = slot.call if slot is not None else None
-        return call.bucket if call is not None else None
 
     def totals(self) -> tuple[int, int, int]:
         """``(compiled, eager, limited)`` calls over every thread (see :meth:`counts`)."""

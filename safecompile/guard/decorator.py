@@ -21,7 +21,7 @@ from safecompile.shapes.buckets import Bucketer, Strategy, resolve_strategy
 
 from ._controller import Controller
 from ._engine import Engine
-from ._paths import entrypoint
+from ._hot import entrypoint
 from .backend import build_compiler, validate_compile_options
 from .peers import Fleet, Peers
 

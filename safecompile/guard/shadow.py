@@ -5,8 +5,10 @@ and runs *after* the compiled call. ``sync``: eager runs on the caller's own arg
 grad mode, so on a breach the caller gets eager's result with its gradients; state the
 compiled run updated is swapped back first (:mod:`safecompile.checks.snapshot`), and the
 two updates are compared like outputs. ``async``: copies of the inputs and output go to
-one worker thread on a bounded budget; graphs that update state are not checked. The two
-paths' times feed only the A/B figures in ``stats()`` (eager runs on warm caches there).
+one worker thread on a bounded budget (the call path hands :attr:`Outcome.later` to
+:func:`run_later` and acts on what it returns); graphs that update state are not checked.
+The two paths' times, on the cost clock, feed only the A/B figures in ``stats()`` (eager
+runs on warm caches there).
 """
 
 from __future__ import annotations
@@ -38,7 +40,9 @@ if TYPE_CHECKING:
     from safecompile.checks.snapshot import After, Snapshot
     from safecompile.observe.telemetry import Telemetry
 
-__all__ = ["Figures", "Outcome", "ShadowRunner", "drain"]
+    from ._events import EventLog
+
+__all__ = ["Figures", "Outcome", "ShadowRunner", "drain", "run_later", "sync_device"]
 
 
 @dataclass(slots=True)
@@ -56,7 +60,8 @@ class Figures:
 
 @dataclass(frozen=True, slots=True)
 class Outcome:
-    """The outcome of a check: ``breach`` is ``None`` unless a sync check found drift."""
+    """The outcome of a check: ``breach`` is ``None`` unless it found drift; an async
+    check's is :attr:`later`, run on the worker (:func:`run_later`)."""
 
     breach: str | None = None
     eager_out: Any = None
@@ -64,6 +69,7 @@ class Outcome:
     max_rel: float = 0.0
     graph: GraphRecord | None = None
     use_eager: bool = False  # serve eager_out without a trip (nothing could be compared)
+    later: Callable[[], Outcome] | None = None  # the async check, to run off the call
 
 
 @dataclass(slots=True)
@@ -80,20 +86,17 @@ class ShadowRunner:
 
     def __init__(
         self,
-        *,
         policy: Shadow | None,
         fn: Callable[..., Any],
-        on_breach: Callable[[GraphRecord | None, str, float, float], None],
         sink: Telemetry,
-        record: Callable[[Event], None],
-        clock: Callable[[], float],
+        events: EventLog,
+        costs: Callable[[], float],
     ) -> None:
         self.policy = policy
         self.fn = fn
-        self._on_breach = on_breach
         self._sink = sink
-        self._record = record
-        self._clock = clock
+        self._events = events
+        self._costs = costs  # the cost clock (the A/B figures)
         self._lock = threading.Lock()
         self._c = _Counters()
         self._signature = _signature(fn)
@@ -122,8 +125,7 @@ class ShadowRunner:
         for g in due:
             table.checked(g)
         if self.policy.mode == "async":
-            self._submit(graph, args, kwargs, out, compiled_s, canary)
-            return Outcome()
+            return Outcome(later=self._later(graph, args, kwargs, out, compiled_s, canary))
         after = snapshot.swap_back() if changed or snapshot.objects else None
         eager_out, eager_s = self._eager(args, kwargs)
         try:
@@ -171,10 +173,10 @@ class ShadowRunner:
 
     def _eager(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, float]:
         """Eager's output and time (the work done, not only launched)."""
-        started = self._clock()
+        started = self._costs()
         eager_out = self.fn(*args, **kwargs)
         sync_device(eager_out)
-        return eager_out, self._clock() - started
+        return eager_out, self._costs() - started
 
     def tolerances(self) -> tuple[float | None, float | None]:
         policy = self.policy
@@ -360,9 +362,10 @@ class ShadowRunner:
         **fields: Any,
     ) -> None:
         details = {"graph": graph.id} if graph is not None else {}
-        self._record(Event(kind=kind, time=time.time(), details=details | (extra or {}), **fields))
+        event = Event(kind=kind, time=time.time(), details=details | (extra or {}), **fields)
+        self._events.record(event)
 
-    def _submit(
+    def _later(
         self,
         graph: GraphRecord,
         args: tuple[Any, ...],
@@ -370,13 +373,15 @@ class ShadowRunner:
         out: Any,
         compiled_s: float | None,
         canary: bool,
-    ) -> None:
+    ) -> Callable[[], Outcome] | None:
+        """An async check: copies of the call now, the eager run and comparison later
+        (``None``: skipped, the queue is full or the inputs cannot be copied)."""
         assert self.policy is not None
         with self._lock:
             if self._c.pending >= self.policy.queue_size:
                 self._c.counts.queue_full += 1
                 self._c.counts.skipped += 1
-                return
+                return None
             self._c.pending += 1
         try:
             with torch.no_grad():
@@ -387,24 +392,25 @@ class ShadowRunner:
             self.skip_graph(
                 graph, f"inputs could not be copied for the eager run ({type(exc).__name__})"
             )
-            return
+            return None
 
-        def job() -> None:  # on the worker thread
+        def job() -> Outcome:  # on the worker thread
             try:
                 with torch.no_grad():
                     eager_out, eager_s = self._eager(*inputs)
                 result = self.compare_outputs(out, eager_out, *inputs)
                 self.note(graph, None, result, compiled_s, eager_s, canary)
                 if not result.ok:
-                    reason = result.reason or "outputs differ"
-                    self._on_breach(graph, reason, result.max_abs, result.max_rel)
+                    breach = result.reason or "outputs differ"
+                    return Outcome(breach, None, result.max_abs, result.max_rel, graph)
             except Exception as exc:
                 self.skip_graph(graph, f"the async eager run raised {type(exc).__name__}")
             finally:
                 with self._lock:
                     self._c.pending -= 1
+            return Outcome()
 
-        _WORKER.submit(job)
+        return job
 
 
 def _signature(fn: Callable[..., Any]) -> inspect.Signature | None:
@@ -522,6 +528,7 @@ class _Worker:
 
 _WORKER = _Worker()
 drain = _WORKER.drain
+run_later = _WORKER.submit
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
