@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+import gc
 import re
 import sys
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -69,13 +71,17 @@ def test_ended_threads_fold_their_counts() -> None:
     g = safe_compile(lambda x: x + 1, backend="eager", shadow=None)
     x = torch.ones(2)
     g(x)
+    ended: list[weakref.ref[threading.Thread]] = []
     for _ in range(20):
         t = threading.Thread(target=g, args=(x,))
         t.start()
         t.join()
+        ended.append(weakref.ref(t))
+    del t
     stats = g.safecompile.stats()
     assert stats.calls == 21 == stats.compiled_calls + stats.eager_calls
-    assert len(g.safecompile._engine.slots._all) <= 2
+    gc.collect()
+    assert [ref for ref in ended if ref() is not None] == []  # the guard holds none of them
 
 
 def test_background_inductor_warmup_closes_the_symbolic_trace_window() -> None:

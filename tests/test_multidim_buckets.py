@@ -305,15 +305,22 @@ def test_auto_is_the_default_and_its_resolution_is_in_the_report() -> None:
     assert report["dynamic"] is False  # static padded shapes, as CUDA graphs need
 
 
-def test_recompile_limit_grows_to_the_product() -> None:
-    """Without an explicit Rollback, max_recompiles grows to hold every combination; an
-    explicit one below the product is refused."""
+def test_an_explicit_recompile_limit_below_the_product_is_refused() -> None:
     big = named(sizes={"batch": pow2(1, 64), "seq": pow2(16, 512)}, strategy="pad")
     assert big.bucket_count == 7 * 6
     with pytest.raises(ConfigError, match=r"below the number of bucket sizes \(42"):
         safe_compile(Encoder(), backend="eager", buckets=big, rollback=Rollback(max_recompiles=16))
-    g = safe_compile(Encoder(), backend="eager", buckets=big)
-    assert g.safecompile._engine.opts.rollback.max_recompiles >= 42
+
+
+@NINE_GRAPHS
+def test_recompile_limit_grows_to_the_product() -> None:
+    """Without an explicit Rollback, max_recompiles grows to hold every combination: all
+    3 x 3 padded graphs compile, past the default limit of 8, none runs eager."""
+    g = safe_compile(Encoder(), backend="eager", shadow=None, buckets=named(strategy="pad"))
+    g.safecompile.warmup(*batch(1, 4))
+    stats = g.safecompile.stats()
+    assert (stats.graphs, stats.recompile_limit_calls) == (len(BATCH) * len(SEQ), 0)
+    assert EventKind.RECOMPILE_LIMIT not in [e.kind for e in g.safecompile.events()]
 
 
 # ---------------------------------------------------------------- validation

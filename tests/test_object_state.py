@@ -18,9 +18,8 @@ import pytest
 import torch
 
 from safecompile import EventKind, Shadow, State, Warmup, safe_compile
+from safecompile.base import torchcompat
 from safecompile.checks.snapshot import Snapshot
-from safecompile.guard import backend as backend_module
-from safecompile.guard import facts as facts_module
 from safecompile.testing import DriftingBackend, RecordingBackend
 
 
@@ -177,10 +176,11 @@ def test_drift_in_the_updated_object_alone_is_caught_and_eager_state_kept() -> N
 def test_an_object_that_cannot_be_found_is_unchecked_with_one_event_naming_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    def lost(*args: Any) -> tuple[list[Any], str | None]:
-        return [], "L['cache'].layers[0]"
+    def lost(*args: Any) -> Any:
+        """torch's reading of a named object back from the running frame fails."""
+        raise KeyError("cache")
 
-    monkeypatch.setattr(backend_module, "find_effects", lost)
+    monkeypatch.setattr(torchcompat, "source_value", lost)
     guarded = safe_compile(decode, backend="eager", shadow=Shadow(canary=3, every=1))
     cache = Cache()
     x = torch.randn(1, 4)
@@ -191,7 +191,7 @@ def test_an_object_that_cannot_be_found_is_unchecked_with_one_event_naming_it(
     assert stats.shadow_checks == 0
     messages = skipped(guarded)  # one per graph (a static one, then a dynamic one)
     assert len(messages) == stats.graphs == 2
-    assert all("L['cache'].layers[0]" in str(m) for m in messages)
+    assert all("L['cache']" in str(m) for m in messages)
     assert guarded.safecompile.state is State.UNCHECKED
     assert (stats.graphs_unchecked, stats.graphs_checked) == (2, 0)
     graph = guarded.safecompile.report()["graphs"][0]
@@ -300,10 +300,17 @@ def test_a_side_effect_record_that_cannot_be_read_leaves_the_graph_unchecked(
     """If torch's record of side effects cannot be read, nothing says what a check must
     put back: the graph is not checked (one event), never rerun on doubled state."""
 
-    def unreadable(*args: Any) -> Any:
-        raise RuntimeError("an entry of the record torch changed")
+    real = torchcompat.side_effects
 
-    monkeypatch.setattr(facts_module, "_effect_of", unreadable)
+    def unreadable() -> Any:
+        """dynamo's record, its entries in a shape the guard cannot read (a torch that
+        changed them)."""
+        record = real()
+        if isinstance(record, torchcompat.SideEffects) and record.modified:
+            return record._replace(modified=[object() for _ in record.modified])
+        return record
+
+    monkeypatch.setattr(torchcompat, "side_effects", unreadable)
     seen: list[torch.Tensor] = []
     guarded = safe_compile(append_to, backend="eager", shadow=Shadow(canary=2, every=1))
     guarded(torch.randn(3), seen)

@@ -14,9 +14,18 @@ import pytest
 import torch
 from structlog.testing import capture_logs
 
-from safecompile import Buckets, ConfigError, Rollback, Shadow, Warmup, pow2, safe_compile
+from safecompile import (
+    Buckets,
+    ConfigError,
+    EventKind,
+    Rollback,
+    Shadow,
+    Warmup,
+    pow2,
+    safe_compile,
+)
 from safecompile.base.options import Options
-from safecompile.testing import RecordingBackend
+from safecompile.testing import FakeClock, RecordingBackend
 
 CONFIGURATION = Path(__file__).resolve().parents[1] / "docs" / "configuration.md"
 
@@ -166,9 +175,20 @@ def test_a_rollback_without_a_limit_is_fitted_to_the_buckets() -> None:
     ``Rollback()`` both get room for every bucket; an explicit limit is kept or refused."""
     buckets = Buckets(dims={"x": 0}, sizes=pow2(1, 1024), strategy="pad")  # 11 buckets
     for rollback in (Rollback(), Rollback(retry_after=5)):
-        guarded = safe_compile(total, backend="eager", buckets=buckets, rollback=rollback)
+        clock = FakeClock(now=100.0)
+        guarded = safe_compile(
+            total, backend="eager", shadow=None, buckets=buckets, rollback=rollback, clock=clock
+        )
         assert guarded.safecompile.report()["bucketing"] is not None
-        assert guarded.safecompile._engine.opts.rollback.max_recompiles == 11
-        assert guarded.safecompile._engine.opts.rollback.retry_after == rollback.retry_after
+        guarded.safecompile.warmup(torch.ones(5, 2))  # every bucket: 11 graphs, none refused
+        stats = guarded.safecompile.stats()
+        assert (stats.graphs, stats.recompile_limit_calls) == (11, 0)
+        guarded(torch.ones(5, 2, dtype=torch.float64))  # a twelfth graph: past the limit
+        kinds = [e.kind for e in guarded.safecompile.events()]
+        assert kinds.count(EventKind.RECOMPILE_LIMIT) == 1
+        assert guarded.safecompile.stats().graphs == 11
+        guarded.safecompile.rollback()  # the rest of the policy is kept: the retry_after
+        retry_at = guarded.safecompile.report()["retry_at"]
+        assert retry_at == (None if rollback.retry_after is None else 100.0 + rollback.retry_after)
     with pytest.raises(ConfigError, match="below the number of bucket sizes"):
         safe_compile(total, backend="eager", buckets=buckets, rollback=Rollback(max_recompiles=8))

@@ -15,8 +15,6 @@ import pytest
 import torch
 
 from safecompile import Shadow, State, Warmup, safe_compile
-from safecompile.guard import _engine as engine_module
-from safecompile.guard import shadow as shadow_module
 from safecompile.shapes.buckets import uses_cudagraphs
 from safecompile.testing import (
     DriftingBackend,
@@ -100,29 +98,40 @@ def test_a_recurrent_object_in_the_pool_is_checked_without_false_drift() -> None
 
 
 class _Hold:
-    """A job that keeps the async worker busy until released."""
+    """Once armed, keeps the async worker busy until released: the check's eager run of
+    the guarded function, off the caller's thread, waits in :meth:`block`."""
 
     def __init__(self) -> None:
         self.release = threading.Event()
         self.running = threading.Event()
+        self.armed = False
+        self.caller = threading.get_ident()
 
     def block(self) -> None:
-        self.running.set()
-        self.release.wait(30)
+        if self.armed and threading.get_ident() != self.caller:
+            self.running.set()
+            self.release.wait(30)
 
 
 def test_async_checks_compare_the_output_of_their_own_call() -> None:
     """The async worker runs later, after the next call has rewritten the pool: each
     check still compares the output its own call returned (copied before returning)."""
+    hold = _Hold()
+
+    def held_affine(x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():  # an eager run; traced, left out of the graph
+            hold.block()
+        return affine(x)
+
     guarded = safe_compile(
-        affine, backend=PoolBackend(), shadow=Shadow(canary=4, every=1, mode="async")
+        held_affine, backend=PoolBackend(), shadow=Shadow(canary=4, every=1, mode="async")
     )
     guarded(torch.zeros(4))  # compile
     drain_shadow_checks()
-    hold = _Hold()
-    shadow_module._WORKER.submit(hold.block)
+    hold.armed = True
+    # the first call's check holds the worker; the others queue behind it
+    outs = [guarded(torch.full((4,), float(i))) for i in range(3)]
     assert hold.running.wait(10)
-    outs = [guarded(torch.full((4,), float(i))) for i in range(3)]  # queued behind the hold
     assert all(o is outs[0] for o in outs)  # one pool tensor, rewritten by every call
     hold.release.set()
     drain_shadow_checks()
@@ -148,46 +157,63 @@ def steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def cudagraph_guard(monkeypatch: pytest.MonkeyPatch, on: bool, **options: Any) -> Any:
+class Cudagraphs:
+    """A backend that takes torch.compile's ``options`` (as a wrapper of inductor does):
+    given ``{"triton.cudagraphs": True}``, the guard treats its graphs as CUDA graphs.
+    It compiles with ``inner`` on CPU and leaves the options aside."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = torch._dynamo.lookup_backend(inner)
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any], **options: Any) -> Any:
+        return self.inner(gm, example_inputs)
+
+
+def under_cudagraphs(on: bool, inner: Any = "aot_eager") -> dict[str, Any]:
+    """``safe_compile`` options whose backend counts as CUDA graphs (or not)."""
+    return {"backend": Cudagraphs(inner), "options": {"triton.cudagraphs": on}}
+
+
+def cudagraph_guard(on: bool, **options: Any) -> Any:
     """A guarded Linear whose compile options count as CUDA graphs (or not), compiled on
     CPU with aot_eager."""
-    monkeypatch.setattr(engine_module, "uses_cudagraphs", lambda *a, **k: on)
     options.setdefault("shadow", Shadow(canary=2, every=0))
-    return safe_compile(Linear(), backend="aot_eager", **options)
+    return safe_compile(Linear(), **under_cudagraphs(on), **options)
 
 
 def test_warmup_while_training_under_cudagraphs_starts_a_new_step(
-    monkeypatch: pytest.MonkeyPatch, steps: list[int]
+    steps: list[int],
 ) -> None:
     """A warmup call's outputs are dropped, so their backward never runs: under CUDA
     graphs the guard marks a new step after each one (else the next call would wait on
     that backward and miss the fast path). Live calls are left to torch's own steps."""
     x = torch.randn(2, 4)
-    guarded = cudagraph_guard(monkeypatch, True, warmup=Warmup(inputs=[(x,), (x,)]))
+    guarded = cudagraph_guard(True, warmup=Warmup(inputs=[(x,), (x,)]))
     assert len(steps) == 2
     guarded(x).sum().backward()
     assert len(steps) == 2
 
 
 def test_no_new_step_without_cudagraphs_or_without_gradients(
-    monkeypatch: pytest.MonkeyPatch, steps: list[int]
+    steps: list[int],
 ) -> None:
     x = torch.randn(2, 4)
-    cudagraph_guard(monkeypatch, False, warmup=Warmup(inputs=[(x,)]))
+    cudagraph_guard(False, warmup=Warmup(inputs=[(x,)]))
     assert steps == []
     with torch.no_grad():
-        cudagraph_guard(monkeypatch, True, warmup=Warmup(inputs=[(x,)]))
+        cudagraph_guard(True, warmup=Warmup(inputs=[(x,)]))
     assert steps == []
 
 
 def test_a_check_answered_by_eager_under_cudagraphs_starts_a_new_step(
-    monkeypatch: pytest.MonkeyPatch, steps: list[int]
+    steps: list[int],
 ) -> None:
     """A breach returns eager's result: the compiled forward's outputs are dropped. (A
     graph's first run needs no new step: its compiled run, on copies, needs no gradients.)"""
-    monkeypatch.setattr(engine_module, "uses_cudagraphs", lambda *a, **k: True)
     guarded = safe_compile(
-        Linear(), backend=DriftingBackend(scale=1.05, from_run=2), shadow=Shadow(canary=2, every=0)
+        Linear(),
+        **under_cudagraphs(True, DriftingBackend(scale=1.05, from_run=2)),
+        shadow=Shadow(canary=2, every=0),
     )
     x = torch.randn(2, 4)
     guarded(x).sum().backward()
@@ -225,14 +251,15 @@ def accumulate(x: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("cudagraphs", [True, False])
 def test_in_place_writes_a_replay_hides_are_found_by_value_under_cudagraphs(
-    monkeypatch: pytest.MonkeyPatch, cudagraphs: bool
+    cudagraphs: bool,
 ) -> None:
     """Under CUDA graphs a copied input is compared by value too: the replay's write is
     found, put back, and eager applies it once. Without cudagraph options the version
     counters are trusted (and this imitation fools them: the write is applied twice).
     The graph's first run writes into a copy either way: right in both."""
-    monkeypatch.setattr(engine_module, "uses_cudagraphs", lambda *a, **k: cudagraphs)
-    guarded = safe_compile(accumulate, backend=HiddenWrites(), shadow=Shadow(canary=3, every=1))
+    guarded = safe_compile(
+        accumulate, **under_cudagraphs(cudagraphs, HiddenWrites()), shadow=Shadow(canary=3, every=1)
+    )
     total = torch.zeros(4)
     x = torch.ones(4)
     out = guarded(x, total)

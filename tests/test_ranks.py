@@ -8,6 +8,7 @@ suite.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import json
 import os
@@ -24,7 +25,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from safecompile import ConfigError, Reason, Rollback, Shadow, safe_compile
+from safecompile import ConfigError, Reason, Rollback, Shadow, compose, safe_compile
 from safecompile.fleet.ranks import Agreement, Local
 from safecompile.testing import (
     DriftingBackend,
@@ -286,8 +287,10 @@ class _Group:
 class _Peers(Agreement):
     """An agreement whose exchange is simulated: the peers' verdicts are given."""
 
-    def __init__(self, rank: int, peers: dict[int, Local], *, late_ms: int = 0) -> None:
-        super().__init__(_Group(rank, len(peers) + 1), every=4, timeout=2.0)
+    def __init__(
+        self, rank: int, peers: dict[int, Local], *, late_ms: int = 0, every: int = 4
+    ) -> None:
+        super().__init__(_Group(rank, len(peers) + 1), every=every, timeout=2.0)
         self._peers = peers
         self._late_ms = late_ms  # how much later than this rank the peers enter
 
@@ -382,7 +385,7 @@ def test_different_calls_at_one_safe_point_end_the_agreement() -> None:
 def test_group_none_adds_nothing() -> None:
     """No group: no agreement object, trips apply at once, ``sync()`` is a no-op."""
     guarded = safe_compile(lambda x: x + 1, backend=RuntimeFailingBackend())
-    assert guarded.safecompile._engine.trips.ranks is None
+    assert guarded.safecompile.report()["ranks"] is None
     assert torch.equal(guarded(torch.ones(2)), torch.full((2,), 2.0))
     assert guarded.safecompile.sync() == "rolled_back"
     assert guarded.safecompile.report()["ranks"] is None
@@ -399,22 +402,32 @@ def test_group_true_before_init_trips_locally() -> None:
     assert guarded.safecompile.sync() == "rolled_back"  # nothing to agree with
 
 
-def test_an_agreed_recovery_restarts_the_speed_verdict_and_the_canary(clock: FakeClock) -> None:
+def test_an_agreed_recovery_restarts_the_speed_verdict_and_the_canary(
+    clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every rank tripped and ready: the agreed recovery brings back the compiled path
     whole: the speed verdict that had found eager faster measures afresh, and the canary
     starts again (one recovery routine, the same as a half-open trial's)."""
+    peers = {1: _OK}
+
+    def simulated(group: object, *, every: int, timeout: float, name: str) -> _Peers:
+        return _Peers(0, peers, every=every)
+
+    # the fleet plugged into safe_compile: a simulated peer, agreed with at each sync()
+    fleet = dataclasses.replace(compose._FLEET, check_group=lambda group: None, peers=simulated)
+    monkeypatch.setattr(compose, "_FLEET", fleet)
     with spend_on(clock):
         guarded = safe_compile(
             affine,
             backend=slower_backend(clock, 0.001),  # the whole call 2 ms against eager's 1
             dynamic=False,
             shadow=Shadow(canary=2),
-            rollback=Rollback(retry_after=10),
+            rollback=Rollback(retry_after=10, sync_every=1000),  # safe points: sync() only
             clock=clock,
+            group=object(),
         )
         c = guarded.safecompile
-        peers = {1: _OK}
-        c._engine.trips.ranks = _Peers(0, peers)  # a simulated peer, agreed with at each sync()
+        assert c.report()["ranks"] is not None
         x = torch.randn(4)
         for _ in range(400):  # 2x slower: eager wins, the slower trip is held
             torch.testing.assert_close(guarded(x), affine(x), rtol=0, atol=0)

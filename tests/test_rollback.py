@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 import safecompile
 from safecompile import Buckets, EventKind, Reason, Rollback, State, safe_compile
-from safecompile.guard import _paths
 from safecompile.testing import (
     FailingBackend,
     FakeClock,
@@ -247,25 +247,33 @@ def test_a_trial_served_eagerly_is_announced_once(clock: FakeClock) -> None:
     assert kinds[-1] == EventKind.RECOVERED
 
 
-class SlowPathCalls:
-    """Counts the calls that enter the slow path (``_paths.call_slow``)."""
+@dataclass
+class CountingClock(FakeClock):
+    """A fake clock that counts its reads. A rolled-back call served from the hot path
+    reads it once (the trial's deadline), or never when no trial is to come; a call that
+    goes down the slow path reads it more (to admit, time and record the call)."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.count = 0
-        self._inner = _paths.call_slow
-        monkeypatch.setattr(_paths, "call_slow", self)
+    reads: int = 0
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.count += 1
-        return self._inner(*args, **kwargs)
+    def __call__(self) -> float:
+        self.reads += 1
+        return super().__call__()
+
+    def reads_of(self, call: Callable[[], object]) -> int:
+        """How many times ``call()`` read the clock."""
+        before = self.reads
+        call()
+        return self.reads - before
 
 
 @pytest.mark.parametrize("bucketed", [False, True])
 def test_rolled_back_serves_eager_from_the_hot_path_until_the_trial(
-    x: torch.Tensor, clock: FakeClock, monkeypatch: pytest.MonkeyPatch, bucketed: bool
+    x: torch.Tensor, bucketed: bool
 ) -> None:
     """Rolled back with no trial due, a call never enters the slow path (eager serves it
-    in the hot path, counted); the trial still runs when due, and compiled serves again."""
+    in the hot path, counted, reading only the trial's deadline); the trial still runs
+    when due, and compiled serves again."""
+    clock = CountingClock()
     buckets = Buckets(dims={"x": 0}, sizes=(4, 8)) if bucketed else None
     g = safe_compile(
         affine,
@@ -278,60 +286,58 @@ def test_rolled_back_serves_eager_from_the_hot_path_until_the_trial(
     g(x)
     c = g.safecompile
     c.rollback()
-    slow = SlowPathCalls(monkeypatch)
     for _ in range(3):
-        torch.testing.assert_close(g(x), affine(x))
+        assert clock.reads_of(lambda: torch.testing.assert_close(g(x), affine(x))) == 1
     clock.advance(9.5)
-    torch.testing.assert_close(g(x), affine(x))
-    assert slow.count == 0
+    assert clock.reads_of(lambda: torch.testing.assert_close(g(x), affine(x))) == 1
     assert (c.stats().eager_calls, c.state) == (4, State.ROLLED_BACK)
+    assert EventKind.RETRY not in [e.kind for e in c.events()]
     clock.advance(1)
     torch.testing.assert_close(g(x), affine(x))  # the trial: compiled serves again
-    assert slow.count == 1
     assert c.state == State.COMPILED
     assert [e.kind for e in c.events()][-2:] == [EventKind.RETRY, EventKind.RECOVERED]
-    g(x)
-    assert slow.count == 1  # compiled, from the hot path
+    assert clock.reads_of(lambda: g(x)) == 0  # compiled, from the hot path
     assert (c.stats().compiled_calls, c.stats().eager_calls) == (3, 4)
 
 
-def test_a_failed_trial_moves_the_hot_paths_deadline(
-    x: torch.Tensor, clock: FakeClock, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_a_failed_trial_moves_the_hot_paths_deadline(x: torch.Tensor) -> None:
     """A failed trial trips with a longer wait: the hot path serves eager until then."""
+    clock = CountingClock()
     backend = RuntimeFailingBackend(on_run=1)
     g = safe_compile(
         affine, backend=backend, shadow=None, rollback=Rollback(retry_after=10), clock=clock
     )
+
+    def trials() -> int:
+        return [e.kind for e in g.safecompile.events()].count(EventKind.RETRY)
+
     g(x)  # fails: rolled back, the trial at 10
-    slow = SlowPathCalls(monkeypatch)
     clock.advance(10)
     g(x)  # the trial fails: the next at 30
-    assert slow.count == 1
+    assert (trials(), backend.runs) == (1, 2)
     clock.advance(19)
-    g(x)
-    assert slow.count == 1
+    assert clock.reads_of(lambda: g(x)) == 1  # the hot path: the deadline, nothing more
+    assert (trials(), backend.runs) == (1, 2)
     clock.advance(1)
     g(x)
-    assert slow.count == 2
-    assert backend.runs == 3
+    assert (trials(), backend.runs) == (2, 3)
 
 
-def test_reset_reopens_the_path_a_rollback_closed(
-    x: torch.Tensor, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_reset_reopens_the_path_a_rollback_closed(x: torch.Tensor) -> None:
     """Rolled back for good (no retry_after), every call stays in the hot path; reset()
     sends the next call down the slow path, which compiles afresh."""
-    g = safe_compile(affine, backend="eager", shadow=None)
+    clock = CountingClock()
+    backend = RecordingBackend()
+    g = safe_compile(affine, backend=backend, shadow=None, clock=clock)
     g(x)
     g.safecompile.rollback()
-    slow = SlowPathCalls(monkeypatch)
-    g(x)
-    assert slow.count == 0
+    assert clock.reads_of(lambda: g(x)) == 0  # no trial to come: not even a deadline
+    assert backend.runs == 1
     g.safecompile.reset()
     g(x)
-    assert slow.count == 1
+    assert backend.compiles == 2
     assert g.safecompile.state == State.COMPILED
+    assert g.safecompile.stats().compiled_calls == 1
 
 
 @pytest.mark.parametrize("how", ["rolled back", "kill switch"])

@@ -163,8 +163,9 @@ def test_every_calling_form_is_guarded() -> None:
         assert fn.safecompile.stats().compiled_calls == 1
     assert call.safecompile.name == f"{__name__}.double"
     assert bare.safecompile.name.endswith("test_every_calling_form_is_guarded.<locals>.bare")
-    assert with_arguments.safecompile._engine.opts.backend == "aot_eager"
-    assert bare.safecompile._engine.opts.backend == "inductor"  # torch's default
+    assert with_arguments.safecompile.report()["backend"] == "aot_eager"
+    assert with_arguments.safecompile.report()["dynamic"] is False
+    assert bare.safecompile.report()["backend"] == "inductor"  # torch's default
 
 
 @pytest.mark.usefixtures("installed")

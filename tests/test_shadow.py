@@ -241,15 +241,19 @@ def test_async_never_blocks_and_full_queue_skips() -> None:
     """With the worker stuck, calls still return; checks past the queue are skipped and counted."""
     gate = threading.Event()
     entered = threading.Event()
+    caller = threading.get_ident()
 
     def blocking_eager(x: torch.Tensor) -> torch.Tensor:
-        entered.set()
-        gate.wait(30)
+        # run eagerly off the caller's thread (the check's eager run, on the worker), it
+        # blocks until the gate opens; traced, the branch is left out of the graph
+        if not torch.compiler.is_compiling() and threading.get_ident() != caller:
+            entered.set()
+            gate.wait(30)
         return affine(x)
 
-    g = safe_compile(affine, backend="eager", shadow=Shadow(mode="async", every=1, queue_size=2))
-    # the worker's eager run blocks until the gate opens
-    g.safecompile._engine.shadow.fn = blocking_eager
+    g = safe_compile(
+        blocking_eager, backend="eager", shadow=Shadow(mode="async", every=1, queue_size=2)
+    )
     x = torch.randn(4)
     for _ in range(10):
         torch.testing.assert_close(g(x), affine(x))

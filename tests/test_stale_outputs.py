@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from safecompile import Shadow, State, safe_compile
-from safecompile.guard import _engine as engine_module
 from safecompile.testing import RecordingBackend
+from tests.test_pool_outputs import under_cudagraphs
 
 
 @pytest.fixture(autouse=True)
@@ -78,15 +78,14 @@ def test_the_imitation_launches_on_a_stale_output_under_plain_torch_compile() ->
     assert backend.crashes == 1
 
 
-def test_under_cudagraphs_a_stale_output_is_never_launched_on(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_under_cudagraphs_a_stale_output_is_never_launched_on() -> None:
     """The guard reads the addresses first: torch's error, on the guard's path; eager
     answers (on a GPU, eager's read raises that error too: the caller gets it, as under
     plain torch.compile)."""
-    monkeypatch.setattr(engine_module, "uses_cudagraphs", lambda *a, **k: True)
     backend = StaleLauncher()
-    guarded = safe_compile(step, backend=backend, shadow=Shadow(canary=0, every=0))
+    guarded = safe_compile(
+        step, **under_cudagraphs(True, backend), shadow=Shadow(canary=0, every=0)
+    )
     held = stale_state(guarded)
     out = guarded(torch.ones(4), held)
     assert backend.crashes == 0
@@ -95,13 +94,10 @@ def test_under_cudagraphs_a_stale_output_is_never_launched_on(
     assert guarded.safecompile.stats().last_rollback is not None
 
 
-def test_without_cudagraph_options_the_graph_runs_unchecked(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_without_cudagraph_options_the_graph_runs_unchecked() -> None:
     """Without CUDA graphs no output goes stale: the hot path reads no addresses."""
-    monkeypatch.setattr(engine_module, "uses_cudagraphs", lambda *a, **k: False)
     backend = StaleLauncher()
-    guarded = safe_compile(step, backend=backend, shadow=None)
+    guarded = safe_compile(step, **under_cudagraphs(False, backend), shadow=None)
     held = stale_state(guarded)
     guarded(torch.ones(4), held)
     assert backend.crashes == 1  # the imitation's stale output reached its launch

@@ -13,7 +13,6 @@ from structlog.testing import capture_logs
 from safecompile import Shadow, State, safe_compile
 from safecompile.base import torchcompat
 from safecompile.guard import _engine as engine_module
-from safecompile.guard import backend as guard_backend
 from safecompile.observe.log import (
     LINE_LIMIT,
     Once,
@@ -264,21 +263,26 @@ def test_precompiling_needs_aot_compile_and_a_loader_of_its_data(
 def test_no_compile_wrapper_falls_back_to_the_backend_itself(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Without torch's compile wrappers the named backend is used as it is."""
+    """Without torch's compile wrappers the named backend is used as it is: it compiles
+    and serves."""
     without(monkeypatch, "torch._TorchCompileWrapper")
     with structlog.testing.capture_logs() as logs:
-        compiler = guard_backend.build_compiler("aot_eager", mode=None, options=None, dynamic=None)
-    assert compiler is torch._dynamo.lookup_backend("aot_eager")
+        g = safe_compile(lambda x: x * 2, backend="aot_eager", name="tc.wrapperless", shadow=None)
+        torch.testing.assert_close(g(torch.ones(3)), torch.full((3,), 2.0))
+    assert g.safecompile.stats().compiled_calls == 1
+    assert g.safecompile.report()["backend"] == "aot_eager"
     assert len(missing_events(logs, "torch._TorchCompileWrapper")) == 1
 
 
 def test_no_inductor_option_list_skips_the_early_check(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Unknown inductor options cannot be refused early without torch's list; nothing raises."""
+    """Unknown inductor options cannot be refused early without torch's list: no
+    ConfigError; torch's own compiler wrapper refuses them, as under torch.compile."""
     without(monkeypatch, "torch._inductor.list_options")
-    with structlog.testing.capture_logs() as logs:
-        guard_backend.validate_compile_options(
-            backend="inductor", mode=None, options={"no_such": 1}, dynamic=None, fullgraph=False
-        )
+    with (
+        structlog.testing.capture_logs() as logs,
+        pytest.raises(RuntimeError, match="no_such"),
+    ):
+        safe_compile(lambda x: x, backend="inductor", options={"no_such": 1}, name="tc.options")
     assert len(missing_events(logs, "torch._inductor.list_options")) == 1
 
 
