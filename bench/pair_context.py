@@ -34,7 +34,7 @@ from overhead import own_code
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import safecompile.checks.speed as speed_mod
-import safecompile.guard._engine as engine_mod
+import safecompile.guard._speed as arm_mod
 import safecompile.guard._paths as paths_mod
 from safecompile import Rollback, safe_compile
 
@@ -184,7 +184,7 @@ def main() -> None:
     traffic = variable_traffic(False)
     if args.settle is not None:
         settle = functools.partial(speed_mod.SpeedPolicy, settle=args.settle)
-        engine_mod.SpeedPolicy = settle  # type: ignore[attr-defined,assignment]
+        arm_mod.SpeedPolicy = settle  # type: ignore[attr-defined,assignment]
     model = Block(64, 4).eval()
     guarded = safe_compile(
         own_code(model, "pairs"), backend=args.backend, rollback=Rollback(slower_ratio=100.0)

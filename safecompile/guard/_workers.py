@@ -1,8 +1,10 @@
-"""Threads that compile off the request path: background warmups and deferred compiles.
+"""The guard's threads: those that compile off the request path (background warmups and
+deferred compiles), and the one that runs async shadow checks.
 
-Each runs at a lowered CPU priority (its own: on Linux niceness is per thread, and it
-cannot be raised back unprivileged, so only a thread of its own lowers it), and the
-interpreter's exit waits a little for those still running.
+A compiling thread runs at a lowered CPU priority (its own: on Linux niceness is per
+thread, and it cannot be raised back unprivileged, so only a thread of its own lowers
+it), and the interpreter's exit waits a little for those still running. A forked child
+starts with none of them, and with its own locks.
 """
 
 from __future__ import annotations
@@ -10,12 +12,15 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import queue
 import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
 
-__all__ = ["EXITING", "EXIT_WAIT_S", "lower_priority", "running", "start"]
+from safecompile.base.forks import in_forked_child
+
+__all__ = ["CHECKS", "EXITING", "EXIT_WAIT_S", "lower_priority", "running", "start"]
 
 #: Seconds the interpreter's exit waits, in all, for compiling threads still running.
 EXIT_WAIT_S = 10.0
@@ -73,3 +78,53 @@ def lower_priority(nice: int) -> None:
     with contextlib.suppress(AttributeError, OSError):  # not POSIX, or a sandbox forbids it
         me = threading.get_native_id()
         os.setpriority(os.PRIO_PROCESS, me, max(os.getpriority(os.PRIO_PROCESS, me), nice))
+
+
+class _Checks:
+    """One daemon thread for every callable's async shadow checks."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._idle = threading.Condition()
+        self._in_flight = 0
+
+    def submit(self, job: Callable[[], None]) -> None:
+        with self._idle:
+            self._in_flight += 1
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._loop, name="safecompile-shadow", daemon=True
+                )
+                self._thread.start()
+        self._queue.put(job)
+
+    def _loop(self) -> None:
+        while True:
+            job = self._queue.get()
+            try:
+                job()
+            finally:
+                with self._idle:
+                    self._in_flight -= 1
+                    self._idle.notify_all()
+
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Wait until every queued async shadow check has run (tests, graceful shutdown);
+        False if ``timeout`` passed first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
+
+
+#: The async shadow checks' thread (:mod:`.shadow`).
+CHECKS = _Checks()
+
+
+@in_forked_child
+def _forked() -> None:
+    """A forked child has none of the parent's threads: fresh locks, no workers waited for,
+    no queued checks (their thread is not there to run them)."""
+    global _LOCK, _WORKERS
+    _LOCK = threading.Lock()
+    _WORKERS = weakref.WeakSet()
+    CHECKS.__init__()  # type: ignore[misc]

@@ -17,7 +17,6 @@ import dataclasses
 import difflib
 import functools
 import inspect
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -34,6 +33,7 @@ from safecompile.checks.compare import Comparison, compare, expand_mask
 from safecompile.checks.timing import LatencyWindow
 from safecompile.observe.log import Once
 
+from ._workers import CHECKS
 from .graphs import GraphRecord, GraphTable
 
 if TYPE_CHECKING:
@@ -490,45 +490,8 @@ def _where(graph: GraphRecord | None) -> str | None:
     return graph.bucket if graph.bucket is not None else f"graph {graph.id} ({graph.label})"
 
 
-class _Worker:
-    """One daemon thread for every callable's async checks."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
-        self._idle = threading.Condition()
-        self._in_flight = 0
-
-    def submit(self, job: Callable[[], None]) -> None:
-        with self._idle:
-            self._in_flight += 1
-            if self._thread is None or not self._thread.is_alive():
-                self._thread = threading.Thread(
-                    target=self._loop, name="safecompile-shadow", daemon=True
-                )
-                self._thread.start()
-        self._queue.put(job)
-
-    def _loop(self) -> None:
-        while True:
-            job = self._queue.get()
-            try:
-                job()
-            finally:
-                with self._idle:
-                    self._in_flight -= 1
-                    self._idle.notify_all()
-
-    def drain(self, timeout: float = 30.0) -> bool:
-        """Wait until every queued async shadow check has run (tests, graceful shutdown);
-        False if ``timeout`` passed first."""
-        with self._idle:
-            return self._idle.wait_for(lambda: self._in_flight == 0, timeout)
-
-
-_WORKER = _Worker()
-drain = _WORKER.drain
-run_later = _WORKER.submit
+drain = CHECKS.drain
+run_later = CHECKS.submit
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
