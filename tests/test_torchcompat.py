@@ -17,9 +17,9 @@ from safecompile.guard import backend as guard_backend
 from safecompile.observe.log import (
     LINE_LIMIT,
     Once,
+    forget_said,
     readable_line,
     torch_missing,
-    torch_missing_said,
 )
 
 MISSING_EVENT = "safecompile.torch_feature_missing"
@@ -28,9 +28,9 @@ MISSING_EVENT = "safecompile.torch_feature_missing"
 @pytest.fixture(autouse=True)
 def _say_again() -> Iterator[None]:
     """Each test sees the once-per-name warning afresh."""
-    torch_missing_said.forget()
+    forget_said()
     yield
-    torch_missing_said.forget()
+    forget_said()
 
 
 def without(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
