@@ -47,6 +47,7 @@ import torch
 
 from safecompile.base import torchcompat
 from safecompile.base.errors import ConfigError
+from safecompile.base.forks import in_forked_child
 from safecompile.base.killswitch import ENV_VAR as DISABLE_VAR
 from safecompile.base.options import Options
 from safecompile.base.policies import Rollback, Shadow
@@ -158,15 +159,29 @@ class _Installed:
     settings: Settings
 
 
-_LOCK = threading.RLock()
-_STATE: _Installed | None = None
+class _Process:
+    """What the runner keeps for the whole process (``torch.compile`` is process-wide):
+    what :func:`install` replaced and with what, under one lock, and the names given to
+    compiled targets. A forked child gets fresh locks (a thread holding one is gone)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.installed: _Installed | None = None
+        self.names = _Names()
+
+    def after_fork_in_child(self) -> None:
+        self.lock = threading.RLock()
+        self.names.after_fork_in_child()
+
+
 _KEEP = object()  # install()'s "from the environment" default
 
 
 def installed() -> bool:
     """Whether ``torch.compile`` is answered by safecompile in this process now."""
-    with _LOCK:
-        return _STATE is not None and torch.compile is _STATE.replacement
+    with _PROCESS.lock:
+        state = _PROCESS.installed
+        return state is not None and torch.compile is state.replacement
 
 
 def install(
@@ -192,31 +207,31 @@ def install(
 
 
 def _install(settings: Settings) -> None:
-    global _STATE
-    with _LOCK:
-        if _STATE is not None and torch.compile is _STATE.replacement:
-            _STATE.settings = settings
+    with _PROCESS.lock:
+        state = _PROCESS.installed
+        if state is not None and torch.compile is state.replacement:
+            state.settings = settings
             return
         original = torchcompat.torch_compile()
-        _STATE = _Installed(original, _replacement(original), settings)
-        torch.compile = _STATE.replacement
+        state = _PROCESS.installed = _Installed(original, _replacement(original), settings)
+        torch.compile = state.replacement
 
 
 def uninstall() -> None:
     """Give ``torch.compile`` back to torch. Idempotent and thread-safe; callables already
     guarded stay guarded. When something replaced ``torch.compile`` again after
     :func:`install`, that replacement is left in place (it still calls ours)."""
-    global _STATE
-    with _LOCK:
-        if _STATE is None:
+    with _PROCESS.lock:
+        state = _PROCESS.installed
+        if state is None:
             return
-        if torch.compile is _STATE.replacement:
-            torch.compile = _STATE.original
-        _STATE = None
+        if torch.compile is state.replacement:
+            torch.compile = state.original
+        _PROCESS.installed = None
 
 
 def _settings() -> Settings | None:
-    state = _STATE
+    state = _PROCESS.installed
     return state.settings if state is not None else None
 
 
@@ -329,7 +344,7 @@ def _guard(model: Any, given: Mapping[str, Any], settings: Settings) -> Any:
         return _wrap_module(model, keywords, label, dict(given))
     if getattr(model, "safecompile", None) is not None:
         return model  # already guarded: once is enough
-    return safe_compile(model, name=label or _NAMES.claim(model), **keywords)
+    return safe_compile(model, name=label or _PROCESS.names.claim(model), **keywords)
 
 
 # ------------------------------------------------------------------ names
@@ -382,8 +397,12 @@ class _Names:
             index = seen.index(identity)
         return name if index == 0 else f"{name}#{index + 1}"
 
+    def after_fork_in_child(self) -> None:
+        self._lock = threading.Lock()  # another thread may have held it at the fork
 
-_NAMES = _Names()
+
+_PROCESS = _Process()
+in_forked_child(_PROCESS.after_fork_in_child)
 
 
 # ------------------------------------------------------------------ modules
@@ -394,11 +413,11 @@ def _wrap_module(
 ) -> torch.nn.Module:
     cls = _guarded_module_class()
     if cls is None:  # a torch without OptimizedModule: guard in place
-        return safe_compile(module, name=label or _NAMES.claim(module), **keywords)
+        return safe_compile(module, name=label or _PROCESS.names.claim(module), **keywords)
     if getattr(module, "safecompile", None) is not None:
         forward: Callable[..., Any] = module.__call__  # guarded in place already
     else:
-        name = label or _NAMES.claim(module)
+        name = label or _PROCESS.names.claim(module)
         forward = safe_compile(module.__call__, name=name, **keywords)
     return cls(module, forward, given)  # type: ignore[no-any-return]
 

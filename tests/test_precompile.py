@@ -27,7 +27,7 @@ from safecompile.base import torchcompat
 from safecompile.guard import _precompile
 from safecompile.guard._precompile import ISA_SCOPE, IsaChecks, _isa_key
 from safecompile.guard.backend import GuardBackend
-from safecompile.observe.log import torch_missing_said
+from safecompile.observe.log import forget_said
 from safecompile.persist import remote as _remote
 from safecompile.persist.cache import Verdict, VerdictStore
 from safecompile.persist.remote import REMOTE_ENV_VAR
@@ -303,7 +303,7 @@ def test_a_torch_that_cannot_precompile_traces_every_restart_and_says_so_once(
     loaded, one torch_feature_missing event for two guards, eager's values."""
     gone = torchcompat.Missing("torch.compile(...).aot_compile", "a warm restart traces again")
     monkeypatch.setattr(torchcompat, "compiled_function_loader", lambda: gone)
-    torch_missing_said.forget()
+    forget_said()
     with capture_logs() as logs:
         guard()
         before = traced()

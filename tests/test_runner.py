@@ -209,7 +209,7 @@ def test_torchs_own_compiles_are_torchs() -> None:
     with structlog.testing.capture_logs():
         out = torch.cond(x.sum() > 0, lambda t: t.sin(), lambda t: t.cos(), (x,))
     torch.testing.assert_close(out, x.sin() if x.sum() > 0 else x.cos())
-    assert not any("_cond_op_wrapper" in name for name in runner._NAMES._seen)
+    assert not any("_cond_op_wrapper" in name for name in runner._PROCESS.names._seen)
     inside: dict[str, Any] = {"__name__": "torch._higher_order_ops.example", "torch": torch}
     exec("compiled = torch.compile(lambda t: t + 1, backend='eager')", inside)
     assert not hasattr(inside["compiled"], "safecompile")

@@ -16,9 +16,9 @@ from safecompile.guard import _engine as engine_module
 from safecompile.observe.log import (
     LINE_LIMIT,
     Once,
+    forget_said,
     readable_line,
     torch_missing,
-    torch_missing_said,
 )
 
 MISSING_EVENT = "safecompile.torch_feature_missing"
@@ -27,9 +27,9 @@ MISSING_EVENT = "safecompile.torch_feature_missing"
 @pytest.fixture(autouse=True)
 def _say_again() -> Iterator[None]:
     """Each test sees the once-per-name warning afresh."""
-    torch_missing_said.forget()
+    forget_said()
     yield
-    torch_missing_said.forget()
+    forget_said()
 
 
 def without(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:

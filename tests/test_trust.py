@@ -163,7 +163,7 @@ def test_a_read_that_hangs_times_out_and_is_not_stacked(
     assert len(calls) == 1
     release.set()
     deadline = time.monotonic() + HANG_S
-    while str(path) in bounded._stuck and time.monotonic() < deadline:
+    while str(path) in bounded.STATE.stuck and time.monotonic() < deadline:
         time.sleep(0.01)
     assert read_file(path, limit=10) == b"1"
     monkeypatch.setattr(bounded, "_read", real_read)
@@ -260,13 +260,13 @@ def test_fork_hooks_give_the_child_fresh_locks() -> None:
     there), and a link's client is built again (the parent's sockets are not reused)."""
     link = RedisLink("redis://127.0.0.1:1/0")
     link._client = object()
-    held = [_remote._lock, ks.SWITCH.lock, WATCHER._poll_lock, link._lock]
+    held = [_remote._PROCESS.lock, ks.SWITCH.lock, WATCHER._poll_lock, link._lock]
     for lock in held:
         lock.acquire()
     try:
 
         def child() -> bool:
-            locks = [_remote._lock, ks.SWITCH.lock, WATCHER._poll_lock, link._lock]
+            locks = [_remote._PROCESS.lock, ks.SWITCH.lock, WATCHER._poll_lock, link._lock]
             free = all(lock.acquire(timeout=1) for lock in locks)
             return free and link._client is None
 

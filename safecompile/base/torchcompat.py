@@ -722,9 +722,6 @@ def kernel_compiler() -> str:
         return f"unavailable ({type(exc).__name__})"
 
 
-_PLAIN_HEADERS = threading.local()  # .directory: this thread loads built kernels
-
-
 @contextlib.contextmanager
 def headers_not_precompiled(directory: str) -> Iterator[Missing | None]:
     """While this thread loads graphs whose kernels are already built: inductor's header
@@ -739,18 +736,25 @@ def headers_not_precompiled(directory: str) -> Iterator[Missing | None]:
     if not callable(real):
         yield Missing("torch._inductor.codecache._precompile_header", "headers are precompiled")
         return
-    if not getattr(real, "_safecompile_plain", False):
-        codecache._precompile_header = _plain_header(real)  # type: ignore[union-attr]
-    _PLAIN_HEADERS.directory = directory
+    loading = getattr(real, "_safecompile_plain", None)
+    if not isinstance(loading, threading.local):
+        patched = _plain_header(real)
+        codecache._precompile_header = patched  # type: ignore[union-attr]
+        loading = patched._safecompile_plain  # type: ignore[attr-defined]
+    loading.directory = directory
     try:
         yield None
     finally:
-        _PLAIN_HEADERS.directory = None
+        loading.directory = None
 
 
 def _plain_header(real: Callable[..., str]) -> Callable[..., str]:
+    """``real`` answered with a plain header on a thread that loads built kernels (the
+    directory in its ``_safecompile_plain``, a ``threading.local``)."""
+    loading = threading.local()  # .directory: this thread loads built kernels
+
     def precompile_header(header: str, *args: Any, **kwargs: Any) -> str:
-        directory = getattr(_PLAIN_HEADERS, "directory", None)
+        directory = getattr(loading, "directory", None)
         if directory is None:  # any other thread, or outside a load: torch's own
             return real(header, *args, **kwargs)
         name = hashlib.sha256(header.encode()).hexdigest()[:32]
@@ -763,5 +767,5 @@ def _plain_header(real: Callable[..., str]) -> Callable[..., str]:
             os.replace(tmp, path)
         return path
 
-    precompile_header._safecompile_plain = True  # type: ignore[attr-defined]
+    precompile_header._safecompile_plain = loading  # type: ignore[attr-defined]
     return precompile_header

@@ -21,6 +21,7 @@ from typing import Any
 
 from safecompile.base import torchcompat
 from safecompile.base.errors import ConfigError
+from safecompile.base.forks import in_forked_child
 from safecompile.base.model import Event, Reason
 from safecompile.guard.peers import Local, Outcome
 from safecompile.observe.log import torch_missing
@@ -72,7 +73,7 @@ class Agreement:
         self._group = group  # a ProcessGroup, or True: the default group, resolved lazily
         self.every = every
         self.timeout = timeout
-        self._channel = _channel(name)  # decorated in the same order on every rank
+        self._channel = _CHANNELS.next(name)  # decorated in the same order on every rank
         self._wall = wall
         self._calls = itertools.count()  # next() is atomic: one index per call
         self._lock = threading.Lock()  # one safe point at a time
@@ -225,15 +226,26 @@ def _left(store: Any, ended: str) -> None:
         raise _PeerLeft(bytes(store.get(ended)).decode(errors="replace"))
 
 
-_CHANNELS: Counter[str] = Counter()
-_CHANNELS_LOCK = threading.Lock()
+class _Channels:
+    """The agreements made in this process, counted by name: ranks decorate in the same
+    order, so the n-th of a name is the same channel on every rank."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.made: Counter[str] = Counter()
+
+    def next(self, name: str) -> str:
+        """``name#n``, the n-th of that name."""
+        with self.lock:
+            self.made[name] += 1
+            return f"{name}#{self.made[name]}"
+
+    def after_fork_in_child(self) -> None:
+        self.lock = threading.Lock()  # another thread may have held it at the fork
 
 
-def _channel(name: str) -> str:
-    """``name#n``, the n-th of that name: ranks decorate in the same order, so they agree."""
-    with _CHANNELS_LOCK:
-        _CHANNELS[name] += 1
-        return f"{name}#{_CHANNELS[name]}"
+_CHANNELS = _Channels()
+in_forked_child(_CHANNELS.after_fork_in_child)
 
 
 def _decode(

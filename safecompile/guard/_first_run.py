@@ -19,7 +19,7 @@ from safecompile.checks.compare import Comparison, compare
 
 from .graphs import GraphRecord
 
-__all__ = ["UNPROTECTED", "FirstRun", "Pending", "prepare", "protected"]
+__all__ = ["FirstRun", "Pending", "prepare", "protected"]
 
 
 @dataclass(slots=True)
@@ -30,10 +30,6 @@ class Pending:
     traced: Callable[..., Any] | None
     random: bool = False
     written: frozenset[int] | None = frozenset()  # inputs its code updates (None: unknown)
-
-
-UNPROTECTED = Pending(None)
-"""A graph whose first run is not protected (past the recompile limit, protection off)."""
 
 
 def prepare(gm: torch.fx.GraphModule, random: bool, written: frozenset[int] | None) -> Pending:

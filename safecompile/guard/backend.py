@@ -24,7 +24,7 @@ from safecompile.observe.log import torch_missing
 from safecompile.observe.progress import watch_compile
 from safecompile.observe.source import graph_breaks_of
 
-from ._first_run import UNPROTECTED, Pending, prepare, protected
+from ._first_run import Pending, prepare, protected
 from .facts import GraphFacts, find_effects, read_graph
 from .graphs import GraphRecord, GraphTable
 
@@ -220,7 +220,9 @@ class GuardBackend:
         self._costs = costs  # a checked call's start stamp (see ``Slot.started``)
         self._module = module
         self.cudagraphs = cudagraphs  # compiled graphs run under CUDA graphs (pool outputs)
-        self._made: dict[tuple[Any, ...], tuple[GraphRecord, Callable[..., Any], Pending]] = {}
+        self._made: dict[
+            tuple[Any, ...], tuple[GraphRecord, Callable[..., Any], Pending | None]
+        ] = {}
         # every code object it made graphs for: the function, and its resume functions
         self._codes: weakref.WeakSet[types.CodeType] = weakref.WeakSet()
         self.__name__ = f"safecompile[{label}]"
@@ -256,7 +258,7 @@ class GuardBackend:
                 return self._instrument(*made)
             # the recompile limit counts the graphs compiled per code object
             compiled = self._table.compiled_for(facts.code) < self._limit
-            pending = UNPROTECTED
+            pending: Pending | None = None
             if compiled:
                 if PROTECT_FIRST_RUNS:  # its traced code, kept before the compiler sees it
                     pending = prepare(gm, read.random, read.written)
@@ -270,7 +272,7 @@ class GuardBackend:
             record.compile_s = self._clock() - started
             record.breaks = graph_breaks_of(gm, include_resumed=True)
             record.frame = read.frame_key  # as its running frame will show it
-            record.prep = pending.traced is not None  # its first run leaves the common path
+            record.prep = pending is not None  # its first run leaves the common path
             self._made[read.twin] = (record, inner, pending)
             if slot is not None:
                 slot.new = [record] if slot.new is None else [*slot.new, record]
@@ -291,7 +293,7 @@ class GuardBackend:
         """A graph an earlier process saved, loaded instead of traced: recorded and wrapped
         like one made here (checks, counts, timing)."""
         record = self._table.add(facts, compiled=True, bucket=None)
-        return self._instrument(record, inner, UNPROTECTED)
+        return self._instrument(record, inner, None)
 
     def _snapshot(self, args: tuple[Any, ...], graph: GraphRecord) -> Snapshot:
         """State before the first graph of a checked call runs (on the calling thread)."""
@@ -301,7 +303,7 @@ class GuardBackend:
         return snapshot
 
     def _instrument(
-        self, record: GraphRecord, inner: Callable[..., Any], pending: Pending
+        self, record: GraphRecord, inner: Callable[..., Any], pending: Pending | None
     ) -> Callable[..., Any]:
         """The compiled graph as torch will run it: first note the run in the caller's
         slot. Its first run is protected (:mod:`._first_run`) while ``pending`` holds its
@@ -343,7 +345,7 @@ class GuardBackend:
                     slot.due.append(record)
             else:
                 record.countdown -= 1
-            traced = pending.traced
+            traced = pending.traced if pending is not None else None
             if traced is None:
                 return inner(*args)
             out, first_run = protected(record, inner, traced, pending, tolerances, args)

@@ -26,11 +26,11 @@ __all__ = [
     "LINE_LIMIT",
     "LOGGER_NAME",
     "Once",
+    "forget_said",
     "log_event",
     "readable_line",
     "report_internal_error",
     "torch_missing",
-    "torch_missing_said",
 ]
 
 LOGGER_NAME = "safecompile"
@@ -74,9 +74,15 @@ class Once:
         self._seen.clear()
 
 
-_reported = Once()  # report_internal_error's (place, exception type) pairs
-#: The torch names :func:`torch_missing` has reported.
-torch_missing_said = Once()
+#: What was said once per process: ``("internal", place, exception type)`` by
+#: :func:`report_internal_error`, ``("torch missing", name)`` by :func:`torch_missing`.
+_SAID = Once()
+
+
+def forget_said() -> None:
+    """Let :func:`report_internal_error` and :func:`torch_missing` say everything again
+    (for tests)."""
+    _SAID.forget()
 
 
 def _trace_ids(span: trace.Span | None) -> dict[str, str]:
@@ -159,7 +165,7 @@ def report_internal_error(where: str, exc: BaseException) -> None:
     """Report a failure inside safecompile's own telemetry, once per place and type, to
     the stdlib logger only (structlog may be what failed); never raises."""
     try:
-        if not _reported.first((where, type(exc).__qualname__)):
+        if not _SAID.first(("internal", where, type(exc).__qualname__)):
             return
         _stdlib_logger.warning(
             "safecompile telemetry failed in %s (reported once; calls are unaffected)",
@@ -173,8 +179,8 @@ def report_internal_error(where: str, exc: BaseException) -> None:
 def torch_missing(missing: Missing) -> None:
     """Say once per name that the installed torch lacks a private name safecompile uses,
     and what goes without it (see :mod:`safecompile.base.torchcompat`)."""
-    torch_missing_said.warn(
-        missing.name,
+    _SAID.warn(
+        ("torch missing", missing.name),
         "safecompile.torch_feature_missing",
         torch_name=missing.name,
         effect=missing.effect,

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TextIO
 
+from safecompile.base.forks import in_forked_child
+
 from .source import truncate
 
 __all__ = ["PLAIN_EVERY_S", "SLOW_COMPILE_S", "Compiling", "spinner", "watch_compile"]
@@ -56,14 +58,35 @@ def _daemon_timer(delay: float, fn: Callable[[], None]) -> _Timer:
     return timer
 
 
-_spinners_lock = threading.Lock()
-_spinners: list[_Spinner] = []  # every spinner() open now, process-wide
+class _Open:
+    """Every :func:`spinner` open now, process-wide (a compile on any thread tells them)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.spinners: list[_Spinner] = []
+
+    def now(self) -> list[_Spinner]:
+        with self.lock:
+            return list(self.spinners)
+
+    def add(self, shown: _Spinner) -> None:
+        with self.lock:
+            self.spinners.append(shown)
+
+    def remove(self, shown: _Spinner) -> None:
+        with self.lock:
+            self.spinners.remove(shown)
+
+    def after_fork_in_child(self) -> None:
+        self.lock = threading.Lock()  # another thread may have held it at the fork
+
+
+_OPEN = _Open()
+in_forked_child(_OPEN.after_fork_in_child)
 
 
 def _tell_spinners(tell: Callable[[_Spinner], None]) -> None:
-    with _spinners_lock:
-        spinners = list(_spinners)
-    for shown in spinners:
+    for shown in _OPEN.now():
         with contextlib.suppress(Exception):  # a broken terminal never breaks a compile
             tell(shown)
 
@@ -222,8 +245,7 @@ def spinner(stream: TextIO | None = None) -> Iterator[None]:
     before each log line and when the compile ends; otherwise a whole line when the
     compile turns slow and every :data:`PLAIN_EVERY_S` seconds until it ends."""
     shown = _Spinner(sys.stderr if stream is None else stream)
-    with _spinners_lock:
-        _spinners.append(shown)
+    _OPEN.add(shown)
     wrapped = _terminal_handlers() if shown.tty else []  # their lines clear ours first
     try:
         for handler in wrapped:
@@ -235,8 +257,7 @@ def spinner(stream: TextIO | None = None) -> Iterator[None]:
             with handler.lock or contextlib.nullcontext():
                 if isinstance(handler.stream, _ClearingStream):
                     handler.stream = handler.stream.stream
-        with _spinners_lock:
-            _spinners.remove(shown)
+        _OPEN.remove(shown)
         with shown.lock:
             shown.closed = True
         shown.clear()  # a line of ours is never left behind

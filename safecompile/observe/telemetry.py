@@ -28,6 +28,7 @@ from opentelemetry.metrics import Observation
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
 from safecompile._version import __version__
+from safecompile.base.forks import in_forked_child
 from safecompile.base.model import Event, EventKind, Reason, State
 from safecompile.base.options import backend_name
 
@@ -71,11 +72,6 @@ def _guarded(where: str, fn: Callable[..., _R], *args: Any) -> _R | None:
 # ---------------------------------------------------------------------------- configuration
 
 
-# (tracer provider, meter provider) that configure() set; None: OpenTelemetry's globals.
-# Replaced whole, so a reader never sees half of one configure().
-_defaults: tuple[trace.TracerProvider | None, metrics.MeterProvider | None] = (None, None)
-
-
 def configure(
     *,
     tracer_provider: trace.TracerProvider | None = None,
@@ -87,8 +83,7 @@ def configure(
     guarded callable, including those decorated earlier. OpenTelemetry's own global
     providers are never set.
     """
-    global _defaults
-    _defaults = (tracer_provider, meter_provider)
+    _PROCESS.defaults = (tracer_provider, meter_provider)
 
 
 # ---------------------------------------------------------------------------- instruments
@@ -190,19 +185,13 @@ def _observations(totals: Counter[tuple[str, str]], label: str) -> list[Observat
     return [Observation(n, {"safecompile.function": f, label: v}) for (f, v), n in totals.items()]
 
 
-# Instruments per meter provider, held weakly (an SDK meter ignores a second callback on a
-# name, so callables reporting to one provider share them).
-_instruments_lock = threading.Lock()
-_by_provider: weakref.WeakKeyDictionary[object, _Instruments] = weakref.WeakKeyDictionary()
-
-
 def _instruments_of(provider: metrics.MeterProvider | None) -> _Instruments:
     key = metrics if provider is None else provider  # the global provider's key: its module
-    with _instruments_lock:
-        found = _by_provider.get(key)
+    with _PROCESS.instruments_lock:
+        found = _PROCESS.by_provider.get(key)
         if found is None:
             meter = metrics.get_meter(_SCOPE, __version__, provider, schema_url=SCHEMA_URL)
-            found = _by_provider[key] = _Instruments(meter)
+            found = _PROCESS.by_provider[key] = _Instruments(meter)
         return found
 
 
@@ -269,19 +258,44 @@ def _weak(fn: Callable[..., _R]) -> weakref.ref[Callable[..., _R]]:
     return weakref.WeakMethod(fn) if inspect.ismethod(fn) else weakref.ref(fn)
 
 
-# Every call-count source; one found dead is retired when the sources are next read or added.
-_entries_lock = threading.Lock()
-_entries: set[_CallsEntry] = set()
+class _Process:
+    """What telemetry keeps for the whole process: the providers :func:`configure` set;
+    the instruments of each meter provider, held weakly (an SDK meter ignores a second
+    callback on a name, so callables reporting to one provider share them); every
+    call-count source (one found dead is retired when the sources are next read or added)."""
+
+    def __init__(self) -> None:
+        # (tracer provider, meter provider); None: OpenTelemetry's globals. Replaced whole,
+        # so a reader never sees half of one configure().
+        self.defaults: tuple[trace.TracerProvider | None, metrics.MeterProvider | None] = (
+            None,
+            None,
+        )
+        self.instruments_lock = threading.Lock()
+        self.by_provider: weakref.WeakKeyDictionary[object, _Instruments] = (
+            weakref.WeakKeyDictionary()
+        )
+        self.entries_lock = threading.Lock()
+        self.entries: set[_CallsEntry] = set()
+
+    def after_fork_in_child(self) -> None:
+        self.instruments_lock = threading.Lock()  # another thread may have held them
+        self.entries_lock = threading.Lock()
+
+
+_PROCESS = _Process()
+in_forked_child(_PROCESS.after_fork_in_child)
 
 
 def _live_entries(adding: _CallsEntry | None = None) -> list[_CallsEntry]:
-    with _entries_lock:
-        for entry in [e for e in _entries if e.owner() is None or e.source() is None]:
-            _entries.discard(entry)
+    entries = _PROCESS.entries
+    with _PROCESS.entries_lock:
+        for entry in [e for e in entries if e.owner() is None or e.source() is None]:
+            entries.discard(entry)
             entry.retire()
         if adding is not None:
-            _entries.add(adding)
-        return list(_entries)
+            entries.add(adding)
+        return list(entries)
 
 
 # ---------------------------------------------------------------------------- telemetry
@@ -318,11 +332,11 @@ class Telemetry:
     # Looked up at each use (events are rare), each on its own: a broken meter provider
     # does not cost the spans.
     def _tracer(self) -> trace.Tracer:
-        provider = self._tracer_provider or _defaults[0]
+        provider = self._tracer_provider or _PROCESS.defaults[0]
         return trace.get_tracer(_SCOPE, __version__, provider, schema_url=SCHEMA_URL)
 
     def _instruments(self) -> _Instruments:
-        return _instruments_of(self._meter_provider or _defaults[1])
+        return _instruments_of(self._meter_provider or _PROCESS.defaults[1])
 
     def event(self, ev: Event) -> None:
         """Send one event to every sink: span and metrics where its kind has them, a log."""

@@ -12,16 +12,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from safecompile.base.forks import in_forked_child
+from ._state import STATE
 
 __all__ = ["READ_TIMEOUT_S", "ReadTimeoutError", "bounded", "read_fd", "read_file"]
 
 T = TypeVar("T")
 
 READ_TIMEOUT_S = 1.0  # a local file answers in microseconds; a hung mount never does
-
-_lock = threading.Lock()
-_stuck: set[str] = set()  # paths whose last read has not returned
 
 
 class ReadTimeoutError(OSError):
@@ -38,10 +35,10 @@ def read_file(path: Path, *, limit: int, timeout: float = READ_TIMEOUT_S) -> byt
 def bounded(work: Callable[[], T], name: str, timeout: float, *, doing: str = "using") -> T:
     """``work()``'s value or exception, waited for ``timeout`` seconds (then, and while it is
     still stuck for the same ``name``, :class:`ReadTimeoutError`)."""
-    with _lock:
-        if name in _stuck:
+    with STATE.stuck_lock:
+        if name in STATE.stuck:
             raise ReadTimeoutError(f"an earlier attempt at {doing} {name} has not returned")
-        _stuck.add(name)
+        STATE.stuck.add(name)
     box: dict[str, Any] = {}
     done = threading.Event()
 
@@ -51,8 +48,8 @@ def bounded(work: Callable[[], T], name: str, timeout: float, *, doing: str = "u
         except BaseException as exc:
             box["error"] = exc
         finally:
-            with _lock:
-                _stuck.discard(name)
+            with STATE.stuck_lock:
+                STATE.stuck.discard(name)
             done.set()
 
     threading.Thread(target=run, name="safecompile-read", daemon=True).start()
@@ -92,10 +89,3 @@ def read_fd(fd: int, limit: int) -> bytes:
         chunks.append(chunk)
         size += len(chunk)
     return b"".join(chunks)
-
-
-@in_forked_child
-def _nothing_in_flight() -> None:
-    global _lock
-    _lock = threading.Lock()
-    _stuck.clear()  # the threads reading did not fork along

@@ -22,7 +22,6 @@ import re
 import stat
 import sys
 import tempfile
-import threading
 import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -32,8 +31,8 @@ import torch
 
 from safecompile._version import __version__
 from safecompile.base import torchcompat
-from safecompile.base.forks import in_forked_child
 
+from ._state import STATE
 from .bounded import bounded, read_file
 from .remote import RemoteVerdicts, activate
 from .signing import owner_problem, signer, warn_ignored, warn_once
@@ -86,8 +85,6 @@ _PLAIN = (
     frozenset,
     torch.Tensor,
 )
-
-_lock = threading.Lock()
 
 
 def cache_root() -> Path | None:
@@ -226,7 +223,7 @@ class CallKey:
                 self.value = artifact_key(
                     self._target, device=device, code=self._code, **self._options
                 )
-                _origins.setdefault(self.value, _origin(self._target))
+                STATE.origins.setdefault(self.value, _origin(self._target))
             except Exception as exc:  # never fail a call over a key
                 warn_ignored("key", exc)
         return self.value
@@ -239,13 +236,9 @@ def _identity(fn: object) -> str:
     return f"{module}.{name}"
 
 
-# Keys CallKey made in this process -> where their code came from (see provenance()).
-_origins: dict[str, dict[str, str]] = {}
-
-
 def keys_made() -> dict[str, dict[str, str]]:
     """The artifact keys this process made, each with its code's origin (may be ``{}``)."""
-    return dict(_origins)
+    return dict(STATE.origins)
 
 
 def provenance(key: str) -> dict[str, str]:
@@ -258,7 +251,7 @@ def provenance(key: str) -> dict[str, str]:
         "safecompile": __version__,
         "platform": f"{platform.system()}-{platform.machine()}",
     }
-    return made | _origins.get(key, {})
+    return made | STATE.origins.get(key, {})
 
 
 def _origin(target: Callable[..., Any]) -> dict[str, str]:
@@ -674,18 +667,12 @@ def _write_atomic(path: Path, data: bytes) -> bool:
                 os.unlink(tmp)
 
 
-@in_forked_child
-def _fresh_lock() -> None:
-    global _lock
-    _lock = threading.Lock()
-
-
 def use_torch_caches(root: Path | str) -> Path:
     """Point torch's on-disk caches at ``root/torch`` unless the user chose a directory; the
     one in use. An environment variable, as every thread sees it (a config assignment is
     thread-local); before the first compile, as dynamo's derived dir does not follow."""
     target = (Path(root) / "torch").absolute()
-    with _lock:
+    with STATE.torch_dirs_lock:
         env_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
         current = Path(env_dir).absolute() if env_dir else None
         if current is not None and current != target and not _is_torch_default(str(current)):

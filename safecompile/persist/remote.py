@@ -81,12 +81,37 @@ class _Budget(threading.local):
     left: int | None = None
 
 
-_budget = _Budget()
+class _Process:
+    """What this module keeps for the whole process: the links :func:`link_for` made (every
+    link, for a forked child), the activation of each URL, what it changed in torch (to
+    undo), the outages said, the compiles whose remote reads failed; per thread, the running
+    command's budget and the values handed to torch. A forked child gets fresh locks and
+    clients (the parent's sockets are not reused)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # links, active, undo, suspended
+        self.links: dict[tuple[str, str], RedisLink] = {}
+        self.every_link: weakref.WeakSet[RedisLink] = weakref.WeakSet()
+        self.active: dict[str, RemoteVerdicts] = {}
+        self.unavailable = Once()  # (url, reason) pairs said
+        self.undo: list[Callable[[], None]] = []  # what use_torch_remote_caches changed
+        self.suspended: list[str] = []  # compiles that failed on what torch read: reads off
+        self.budget = _Budget()
+        self.reads = threading.local()  # values handed to torch from Redis, and a mark
+
+    def after_fork_in_child(self) -> None:
+        self.lock = threading.Lock()
+        for link in list(self.every_link):
+            link._after_fork()
+
+
+_PROCESS = _Process()
+in_forked_child(_PROCESS.after_fork_in_child)
 
 
 def _time_left() -> float | None:
     """Seconds left to the running command (``None``: no command runs); a timeout once none."""
-    deadline = _budget.deadline
+    deadline = _PROCESS.budget.deadline
     if deadline is None:
         return None
     left = deadline - time.monotonic()
@@ -121,10 +146,11 @@ class _DeadlineSocket:
         self._sock.settimeout(wanted)
 
     def _spend(self, count: int) -> None:
-        left = _budget.left
+        budget = _PROCESS.budget
+        left = budget.left
         if left is None:
             return
-        _budget.left = left - count
+        budget.left = left - count
         if left < count:
             raise ReplyTooLargeError("a reply larger than its limit: refused unread")
 
@@ -206,9 +232,6 @@ def _import_redis() -> Any | None:
         return None
 
 
-_every_link: weakref.WeakSet[RedisLink] = weakref.WeakSet()  # reset in a forked child
-
-
 class RedisLink:
     """A lazy redis-py client (short timeouts, no retries) behind a breaker: ``retry_after``
     seconds off the network after a failure; one warning per outage (none if ``quiet``)."""
@@ -234,7 +257,7 @@ class RedisLink:
         self.failures = 0  # for tests and reports, as are commands sent and their time
         self.commands = 0
         self.seconds = 0.0
-        _every_link.add(self)
+        _PROCESS.every_link.add(self)
 
     def run(
         self,
@@ -251,9 +274,10 @@ class RedisLink:
         if until is not None and self._clock() < until:
             raise RemoteUnavailableError(f"{self.purpose}: backing off after a failure")
         started = time.perf_counter()
-        outer = _budget.deadline, _budget.left
-        _budget.deadline = time.monotonic() + timeout
-        _budget.left = None if max_bytes is None else max_bytes + _REPLY_SLACK
+        budget = _PROCESS.budget
+        outer = budget.deadline, budget.left
+        budget.deadline = time.monotonic() + timeout
+        budget.left = None if max_bytes is None else max_bytes + _REPLY_SLACK
         try:
             client = self._client
             if client is None:  # cheap (it connects at its first command): a race builds two
@@ -268,7 +292,7 @@ class RedisLink:
             self._failed(f"{type(exc).__name__}: {exc}")
             raise RemoteUnavailableError(str(exc)) from None
         finally:
-            _budget.deadline, _budget.left = outer
+            budget.deadline, budget.left = outer
             self.commands += 1
             self.seconds += time.perf_counter() - started
         if self._down:
@@ -417,25 +441,20 @@ def _within(value: object, limit: int, where: str) -> bytes | None:
 
 # ---------------------------------------------------------------- activation
 
-_lock = threading.Lock()
-_links: dict[tuple[str, str], RedisLink] = {}
-_active: dict[str, RemoteVerdicts] = {}
-_unavailable = Once()  # (url, reason) pairs said
-
 
 def link_for(url: str, purpose: str) -> RedisLink:
     """The process's one :class:`RedisLink` for ``(url, purpose)``."""
-    with _lock:
-        link = _links.get((url, purpose))
+    with _PROCESS.lock:
+        link = _PROCESS.links.get((url, purpose))
         if link is None:
-            link = _links[(url, purpose)] = RedisLink(url, purpose=purpose)
+            link = _PROCESS.links[(url, purpose)] = RedisLink(url, purpose=purpose)
         return link
 
 
 def links() -> list[RedisLink]:
     """Every link :func:`link_for` made (their counters, for benchmarks and reports)."""
-    with _lock:
-        return list(_links.values())
+    with _PROCESS.lock:
+        return list(_PROCESS.links.values())
 
 
 def activate() -> RemoteVerdicts | None:
@@ -445,7 +464,7 @@ def activate() -> RemoteVerdicts | None:
     if not url:
         return None
     try:
-        found = _active.get(url)  # one atomic read; _first_activation writes under the lock
+        found = _PROCESS.active.get(url)  # one atomic read; _first_activation writes under the lock
         return found if found is not None else _first_activation(url)
     except Exception as exc:  # a cache must never fail a decoration
         _warn_once(url, f"{type(exc).__name__}: {exc}")
@@ -471,8 +490,8 @@ def _first_activation(url: str) -> RemoteVerdicts | None:
         return None
     verdicts = RemoteVerdicts(link_for(url, "verdicts"))
     torch_caches = use_torch_remote_caches(link_for(url, "torch caches"), key)
-    with _lock:
-        _active.setdefault(url, verdicts)
+    with _PROCESS.lock:
+        _PROCESS.active.setdefault(url, verdicts)
     log_event(
         "safecompile.remote_cache_enabled",
         url=redacted(url),
@@ -483,7 +502,7 @@ def _first_activation(url: str) -> RemoteVerdicts | None:
 
 
 def _warn_once(url: str, reason: str) -> None:
-    _unavailable.warn(
+    _PROCESS.unavailable.warn(
         (url, reason),
         "safecompile.remote_cache_unavailable",
         url=redacted(url),
@@ -493,27 +512,16 @@ def _warn_once(url: str, reason: str) -> None:
     )
 
 
-_undo: list[Callable[[], None]] = []  # what use_torch_remote_caches changed, for reset()
-
-
 def reset() -> None:
     """Forget every link and activation; torch's flags and transport as they were (tests)."""
-    with _lock:
-        _links.clear()
-        _active.clear()
-        _suspended.clear()
-        undo, _undo[:] = list(_undo), []
-    _unavailable.forget()
+    with _PROCESS.lock:
+        _PROCESS.links.clear()
+        _PROCESS.active.clear()
+        _PROCESS.suspended.clear()
+        undo, _PROCESS.undo[:] = list(_PROCESS.undo), []
+    _PROCESS.unavailable.forget()
     for step in reversed(undo):
         step()
-
-
-@in_forked_child
-def _fresh_locks() -> None:
-    global _lock
-    _lock = threading.Lock()
-    for link in list(_every_link):
-        link._after_fork()
 
 
 def use_torch_remote_caches(link: RedisLink, key: Signer) -> list[str]:
@@ -526,7 +534,7 @@ def use_torch_remote_caches(link: RedisLink, key: Signer) -> list[str]:
         return []
     cls, backend_base = classes
     before = cls.__dict__.get("backend_override_cls")
-    _undo.append(lambda: setattr(cls, "backend_override_cls", before))
+    _PROCESS.undo.append(lambda: setattr(cls, "backend_override_cls", before))
     cls.backend_override_cls = _torch_backend(link, key, backend_base)
     on: list[str] = []
     for env_name, module_name, attr in TORCH_FLAGS:
@@ -540,7 +548,7 @@ def _set_torch_flag(env_name: str, module_name: str, attr: str) -> bool:
     if (value or "").strip() not in ("", "1"):
         return False  # the user said no
     os.environ[env_name] = "1"
-    _undo.append(functools.partial(_restore_env, env_name, value))
+    _PROCESS.undo.append(functools.partial(_restore_env, env_name, value))
     if module_name not in sys.modules:
         return True  # the config module reads the variable when it is imported
     entry = torchcompat.config_entry(module_name, attr)
@@ -548,7 +556,7 @@ def _set_torch_flag(env_name: str, module_name: str, attr: str) -> bool:
         return False
     if entry.default is None:  # nobody decided; an assignment (thread-local) still wins
         entry.default = True
-        _undo.append(functools.partial(setattr, entry, "default", None))
+        _PROCESS.undo.append(functools.partial(setattr, entry, "default", None))
     return entry.default is True
 
 
@@ -561,29 +569,29 @@ def _restore_env(name: str, value: str | None) -> None:
 
 TORCH_PURPOSE = "torch"  # the MAC's purpose for torch's remote-cache values
 
-_reads = threading.local()  # per thread: values handed to torch from Redis, and a mark
-_suspended: list[str] = []  # compiles that failed on what torch read from Redis: reads off
-
 
 def mark_compile() -> None:
     """A compile starts on this thread: :func:`cache_fault` counts reads from here."""
-    _reads.mark = getattr(_reads, "count", 0)
+    reads = _PROCESS.reads
+    reads.mark = getattr(reads, "count", 0)
 
 
 def cache_fault(error: BaseException) -> bool:
     """Whether a compile that failed on this thread read torch's remote caches: then the
     fault is theirs, and reads stay off in this process (writes on, to replace it)."""
-    if getattr(_reads, "count", 0) <= getattr(_reads, "mark", 0):
+    reads = _PROCESS.reads
+    if getattr(reads, "count", 0) <= getattr(reads, "mark", 0):
         return False
-    _reads.mark = getattr(_reads, "count", 0)
-    with _lock:
-        first = not _suspended
-        _suspended.append(f"{type(error).__name__}: {error}"[:300])
+    reads.mark = getattr(reads, "count", 0)
+    suspended = _PROCESS.suspended
+    with _PROCESS.lock:
+        first = not suspended
+        suspended.append(f"{type(error).__name__}: {error}"[:300])
     if first:
         log_event(
             "safecompile.remote_cache_error",
             level=logging.WARNING,
-            reason=_suspended[0],
+            reason=suspended[0],
             action="a compile that read torch's remote caches failed: retried without them "
             "(reads off in this process, writes on); not a verdict on the function",
         )
@@ -592,7 +600,7 @@ def cache_fault(error: BaseException) -> bool:
 
 def cache_errors() -> int:
     """Compiles that failed on what torch read from Redis, in this process."""
-    return len(_suspended)
+    return len(_PROCESS.suspended)
 
 
 def _torch_backend(link: RedisLink, signing: Signer, base: Any) -> Callable[[], Any]:
@@ -602,7 +610,7 @@ def _torch_backend(link: RedisLink, signing: Signer, base: Any) -> Callable[[], 
         """torch's remote-cache transport over safecompile's :class:`RedisLink`."""
 
         def _get(self, key: str) -> bytes | None:
-            if _suspended:
+            if _PROCESS.suspended:
                 return None  # after a cache error: compile without what Redis holds
             value = _within(
                 link.run_or(
@@ -618,7 +626,8 @@ def _torch_backend(link: RedisLink, signing: Signer, base: Any) -> Callable[[], 
             except ValueError as exc:  # never handed to torch, which would unpickle it
                 warn_ignored(f"{redacted(link.url)} {key}", str(exc))
                 return None
-            _reads.count = getattr(_reads, "count", 0) + 1  # handed to torch: see cache_fault
+            reads = _PROCESS.reads
+            reads.count = getattr(reads, "count", 0) + 1  # handed to torch: see cache_fault
             return data
 
         def _put(self, key: str, data: bytes) -> None:

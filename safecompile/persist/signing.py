@@ -18,8 +18,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from safecompile.observe.log import Once
-
+from ._state import STATE
 from .bounded import READ_TIMEOUT_S, bounded, read_fd
 
 __all__ = [
@@ -39,9 +38,6 @@ MAX_KEY_BYTES = 4096
 MAX_LINKS = 40  # symbolic links followed on a key file's path (Linux's own limit)
 MAGIC = b"safecompile-hmac-v1\n"  # a sealed blob: MAGIC, 32 bytes of MAC, the data
 MAC_FIELD = "hmac"  # a signed JSON document's field holding the MAC (hex)
-
-_said = Once()  # warnings given: ("untrusted", token) and ("ignored", entry, reason)
-_from_file: dict[str, bytes | None] = {}  # key files already read: path -> key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +92,10 @@ def signer() -> Signer | None:
     path = os.environ.get(KEY_FILE_ENV_VAR, "").strip()
     if not path:
         return None
-    if path not in _from_file:  # no lock: two threads at once may both read it, alike
-        _from_file[path] = _read_key_file(Path(path))
-    secret = _from_file.get(path)
+    read = STATE.key_files
+    if path not in read:  # no lock: two threads at once may both read it, alike
+        read[path] = _read_key_file(Path(path))
+    secret = read.get(path)
     return _checked(secret, f"{KEY_FILE_ENV_VAR}={path}") if secret is not None else None
 
 
@@ -221,7 +218,7 @@ def owner_problem(path: Path, info: os.stat_result, *, allow_root: bool = False)
 
 def warn_once(token: str, reason: str) -> None:
     """One ``safecompile.cache_untrusted`` warning per ``token`` and process."""
-    _said.warn(("untrusted", token), "safecompile.cache_untrusted", reason=reason)
+    STATE.said.warn(("untrusted", token), "safecompile.cache_untrusted", reason=reason)
 
 
 def warn_ignored(path: Path | str, problem: str | BaseException) -> None:
@@ -229,12 +226,12 @@ def warn_ignored(path: Path | str, problem: str | BaseException) -> None:
     fails at every call says so once); never raises."""
     reason = problem if isinstance(problem, str) else f"{type(problem).__name__}: {problem}"
     where = str(path)
-    _said.warn(
+    STATE.said.warn(
         ("ignored", where, reason), "safecompile.cache_file_ignored", path=where, reason=reason
     )
 
 
 def reset() -> None:
     """Forget warnings given and key files read (for tests)."""
-    _said.forget()
-    _from_file.clear()
+    STATE.said.forget()
+    STATE.key_files.clear()
