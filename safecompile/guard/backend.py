@@ -186,6 +186,9 @@ def own_frame(fn: Callable[..., Any]) -> Callable[..., Any]:
     return own
 
 
+_Made = tuple[GraphRecord, Callable[..., Any], Pending | None]  # a graph, compiled and wrapped
+
+
 class GuardBackend:
     """The backend handed to ``torch.compile``: records each graph, then compiles it, and
     hands torch back the compiled graph wrapped in a small function that tells the calling
