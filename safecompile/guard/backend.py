@@ -348,10 +348,9 @@ class GuardBackend:
                     slot.due.append(record)
             else:
                 record.countdown -= 1
-            traced = pending.traced if pending is not None else None
-            if traced is None:
+            if pending is None or pending.traced is None:
                 return inner(*args)
-            out, first_run = protected(record, inner, traced, pending, tolerances, args)
+            out, first_run = protected(record, inner, pending.traced, pending, tolerances, args)
             slot.fresh = [first_run] if slot.fresh is None else [*slot.fresh, first_run]
             if slot.due is None:
                 slot.due = []  # the hot path hands the call to finish(), which reads it
