@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import types
 from collections import Counter
 from typing import Any
 
@@ -11,6 +12,7 @@ import torch
 from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from safecompile import State, disable, enable, safe_compile
+from safecompile.base import torchcompat
 from safecompile.guard.backend import GuardBackend
 from safecompile.guard.graphs import GraphRecord
 
@@ -31,9 +33,19 @@ def _held() -> Counter[str]:
     )
 
 
-def _codes_of(guarded: Any) -> list[Any]:
-    """The code objects torch cached this callable's graphs on (its backend saw them)."""
-    return list(guarded.safecompile._engine.backend._codes)
+class CodesSeen:
+    """A backend like ``"eager"`` that notes the code object torch compiled each graph
+    for (the function, or a resume function past a graph break): where torch caches it."""
+
+    def __init__(self) -> None:
+        self.codes: set[types.CodeType] = set()
+        self.__name__ = "codes_seen"
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        code = torchcompat.frame_code()
+        assert code is not None
+        self.codes.add(code)
+        return gm.forward
 
 
 def _entries(*codes: Any) -> int:
@@ -44,7 +56,8 @@ def test_repeated_resets_hold_no_more_objects() -> None:
     """A guarded MLP on variable shapes, reset over and over: the graphs, backends,
     graph records and dynamo cache entries it holds stay flat."""
     mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-    guarded = safe_compile(mlp, backend="eager", name="reset.mlp")
+    backend = CodesSeen()
+    guarded = safe_compile(mlp, backend=backend, name="reset.mlp")
 
     def traffic() -> None:
         for size in (1, 2, 3, 5, 2, 1):
@@ -56,8 +69,9 @@ def test_repeated_resets_hold_no_more_objects() -> None:
         guarded.safecompile.reset()
     held = _held()
     for _ in range(8):
+        backend.codes.clear()
         traffic()
-        codes = _codes_of(guarded)
+        codes = list(backend.codes)  # compiled afresh after the reset
         assert _entries(*codes) > 0
         guarded.safecompile.reset()
         assert _entries(*codes) == 0
@@ -104,12 +118,13 @@ def test_a_reset_leaves_other_compiled_modules_alone() -> None:
     """Two guarded modules of one class: resetting one drops its graphs only (each has
     a top frame of its own; torch's shared frame would take the other's too)."""
     one, two = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    backend = CodesSeen()
     first = safe_compile(one, backend="eager", name="reset.one")
-    second = safe_compile(two, backend="eager", name="reset.two")
+    second = safe_compile(two, backend=backend, name="reset.two")
     x = torch.randn(2, 4)
     first(x)
     second(x)
-    kept = _codes_of(second)
+    kept = list(backend.codes)
     assert _entries(*kept) == 1
     first.safecompile.reset()
     assert _entries(*kept) == 1
