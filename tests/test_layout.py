@@ -50,9 +50,7 @@ PROCESS_STATE = {
     "runner.py:_PROCESS": "what install() put in torch.compile's place; names given",
     "runner.py:_guarded_module_class": "cache: the OptimizedModule subclass made once",
     # guard/
-    "guard/_buckets.py:_dims_said": "bucket dims warnings said once",
     "guard/_deferred.py:_WORKER": "the deferred-compile worker thread (renewed in a fork)",
-    "guard/_engine.py:_precompile_said": "caching_precompile said once",
     "guard/_logs.py:META_LOG": "dynamo's meta log held while a graph compiles",
     "guard/_precompile.py:ISA_CHECKS": "cache: CPU instruction-set answers",
     "guard/_workers.py:CHECKS": "the async shadow checks' thread (renewed in a fork)",

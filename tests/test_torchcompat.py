@@ -12,10 +12,8 @@ from structlog.testing import capture_logs
 
 from safecompile import Shadow, State, safe_compile
 from safecompile.base import torchcompat
-from safecompile.guard import _engine as engine_module
 from safecompile.observe.log import (
     LINE_LIMIT,
-    Once,
     forget_said,
     readable_line,
     torch_missing,
@@ -340,7 +338,7 @@ def test_caching_precompile_is_warned_once(monkeypatch: pytest.MonkeyPatch) -> N
         return True if dotted == "torch._dynamo.config.caching_precompile" else real_lookup(dotted)
 
     monkeypatch.setattr(torchcompat, "lookup", lookup)
-    monkeypatch.setattr(engine_module, "_precompile_said", Once())
+    forget_said()  # said once per process: maybe by an earlier test
     with capture_logs() as logs:
         for name in ("pc.first", "pc.second"):
             g = safe_compile(lambda x: x * 2, backend="eager", name=name, shadow=None)

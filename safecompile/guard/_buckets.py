@@ -13,7 +13,7 @@ import time
 from safecompile.base import torchcompat
 from safecompile.base.errors import ConfigError
 from safecompile.base.model import Event, EventKind, Reason
-from safecompile.observe.log import Once
+from safecompile.observe.log import warn_once
 from safecompile.observe.source import exception_chain, location_fields, safe_message, truncate
 from safecompile.shapes.buckets import BucketError
 from safecompile.shapes.table import BucketEntry, BucketStatus
@@ -99,9 +99,6 @@ def reject_bucket(
     e.act(Turn("bucket_rejected", event))
 
 
-_dims_said = Once()
-
-
 def _check_bucket_dims(e: Engine, call: Call) -> None:
     """A bucketed dim past its argument's rank is the user's configuration mistake: a
     warmup raises its ``ConfigError``; a live call is served unpadded (eager would not
@@ -112,8 +109,8 @@ def _check_bucket_dims(e: Engine, call: Call) -> None:
     except ConfigError as error:
         if call.warmup:
             raise
-        _dims_said.warn(
-            (e.name, str(error)),
+        warn_once(
+            ("bucket dims", e.name, str(error)),
             "safecompile.bucket_dims_wrong",
             function=e.name,
             description=truncate(f"{error}; calls with this shape run unpadded"),

@@ -26,7 +26,7 @@ from safecompile.base import torchcompat
 from safecompile.base.model import EventKind, Reason
 from safecompile.base.options import CompilerFn, Options
 from safecompile.checks.speed import Step, call_clock
-from safecompile.observe.log import Once, torch_missing
+from safecompile.observe.log import torch_missing, warn_once
 from safecompile.observe.source import location_of_function
 from safecompile.observe.telemetry import Telemetry
 from safecompile.persist.restart import Persisted
@@ -50,15 +50,12 @@ from .shadow import ShadowRunner
 __all__ = ["Engine"]
 
 
-_precompile_said = Once()
-
-
 def _warn_if_precompile(name: str) -> None:
     """``TORCH_CACHING_PRECOMPILE=1`` installs cached graphs without calling any backend:
     the guard never sees them. Say so once per process."""
     # checked: 2.13.0 (``torch._dynamo.config.caching_precompile``; absent in 2.9.1: None)
     if torchcompat.lookup("torch._dynamo.config.caching_precompile") is True:
-        _precompile_said.warn(
+        warn_once(
             "caching_precompile",
             "safecompile.precompile_unguarded",
             function=name,

@@ -75,14 +75,19 @@ class Once:
 
 
 #: What was said once per process: ``("internal", place, exception type)`` by
-#: :func:`report_internal_error`, ``("torch missing", name)`` by :func:`torch_missing`.
+#: :func:`report_internal_error`, ``("torch missing", name)`` by :func:`torch_missing`,
+#: and the keys :func:`warn_once` was given.
 _SAID = Once()
 
 
 def forget_said() -> None:
-    """Let :func:`report_internal_error` and :func:`torch_missing` say everything again
-    (for tests)."""
+    """Let everything said once per process be said again (for tests)."""
     _SAID.forget()
+
+
+def warn_once(key: Hashable, event: str, /, **fields: Any) -> None:
+    """Log ``event`` at WARNING the first time this process sees ``key``; never raises."""
+    _SAID.warn(key, event, **fields)
 
 
 def _trace_ids(span: trace.Span | None) -> dict[str, str]:
