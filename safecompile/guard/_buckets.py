@@ -1,14 +1,16 @@
-"""Buckets on the slow path: planning a call's bucket, and rejecting a bucket that cannot
-serve (its padding changes the result, its outputs cannot be cut back, its range cannot
-be compiled as one graph). A rejected bucket's calls run eager; the callable stays up.
-
-The bucketed calls themselves (pad, call, cut back, verify the padding once) run in
-:mod:`._paths`; the hot path's bucketed form is in :mod:`._hot`.
+"""Buckets on the slow path: a call's bucket planned, the bucketed call (pad, call, cut
+back), a bucket's padding verified once against unpadded eager, and a bucket rejected when
+it cannot serve (its padding changes the result, its outputs cannot be cut back, its range
+cannot be compiled as one graph). A rejected bucket's calls run eager; the callable stays
+up. The hot path's bucketed form is in :mod:`._hot`.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any
+
+import torch
 
 from safecompile.base import torchcompat
 from safecompile.base.errors import ConfigError
@@ -16,16 +18,28 @@ from safecompile.base.model import Event, EventKind, Reason
 from safecompile.observe.log import warn_once
 from safecompile.observe.source import exception_chain, location_fields, safe_message, truncate
 from safecompile.shapes.buckets import BucketError
-from safecompile.shapes.table import BucketEntry, BucketStatus
+from safecompile.shapes.table import BucketEntry, BucketStatus, unmark
 
 from ._engine import Engine
+from ._finish import defer, eager, finish, first_runs, recover, served_eager
 from ._slots import Call
 from ._trips import Turn
 
-__all__ = ["bucket_fault", "plan_bucket", "reject_bucket"]
+__all__ = ["call_bucket", "plan_bucket", "recover_bucketed", "reject_bucket"]
 
 # Exceptions raised while dynamo traces or a backend compiles (not by compiled code).
 _COMPILE_ERRORS: tuple[type[BaseException], ...] = torchcompat.compile_errors()
+
+
+def recover_bucketed(e: Engine, call: Call, failure: Exception) -> Any:
+    """A bucketed call's compiled path raised: a fault of its bucket's own rejects that
+    bucket (eager answers); any other is recovered as without buckets."""
+    entry = call.entry
+    if entry is not None and bucket_fault(e, failure, entry):
+        call.slot.end()
+        call.slot.held = False
+        return eager(e, call, "bucket")
+    return recover(e, call, failure)
 
 
 def bucket_fault(e: Engine, failure: Exception, entry: BucketEntry) -> bool:
@@ -115,3 +129,105 @@ def _check_bucket_dims(e: Engine, call: Call) -> None:
             function=e.name,
             description=truncate(f"{error}; calls with this shape run unpadded"),
         )
+
+
+def call_bucket(e: Engine, call: Call) -> Any:
+    plan, entry, buckets = call.plan, call.entry, e.buckets
+    assert plan is not None
+    assert entry is not None
+    assert buckets is not None
+    bucketer = buckets.bucketer
+    padded = buckets.pads and plan.padded
+    marked: list[tuple[torch.Tensor, dict[str, Any]]] = []
+    if not buckets.pads and entry.status is BucketStatus.NEW:
+        marked = buckets.mark_range(plan, call.args, call.kwargs)
+    failure: Exception | None = None
+    try:
+        args, kwargs = (
+            bucketer.pad(plan, call.args, call.kwargs) if padded else (call.args, call.kwargs)
+        )
+        out = e.gate.compiled(*args, **kwargs)
+    except Exception as exc:
+        failure = exc
+    finally:
+        unmark(marked)
+    if failure is not None:
+        return recover_bucketed(e, call, failure)
+    if call.slot.held:  # a frame ran eagerly, on the padded inputs, instead of compiling:
+        call.slot.held = False  # eager answers on the caller's own (a new bucket's first
+        call.slot.end()  # call: two eager runs, no compile)
+        defer(e, call)
+        return eager(e, call, "warming")
+    if padded and entry.cuts is None and not e.persisted.reuse(bucketer, plan, entry, out):
+        return _verify_bucket(e, call, out)
+    if padded:
+        try:
+            out = bucketer.unpad(plan, out, entry.cuts)
+        except BucketError as exc:
+            reject_bucket(e, entry, f"outputs could not be cut back: {exc}")
+            call.slot.end()
+            return eager(e, call, "bucket")
+    else:  # nothing padded in this key (or a dynamic range): nothing to verify
+        entry.status = BucketStatus.READY
+    if not call.warmup:
+        entry.count(plan, padded=padded)
+    return finish(e, call, out)
+
+
+def _verify_bucket(e: Engine, call: Call, padded_out: Any) -> Any:
+    """A bucket's first padded call: learn its output cut and verify its padding against
+    unpadded eager — on the caller's own tensors, so eager's result can be returned
+    with its gradients. Runs with shadow checks on or off."""
+    plan, entry, buckets = call.plan, call.entry, e.buckets
+    assert plan is not None
+    assert entry is not None
+    assert buckets is not None
+    bucketer = buckets.bucketer
+    slot = call.slot
+    due, first, fresh = slot.due, slot.first, slot.fresh
+    slot.end()
+    eager_out = e.fn(*call.args, **call.kwargs)
+    if fresh is not None and first_runs(e, call, fresh):  # counted eager there
+        return None if call.warmup else eager_out
+    try:
+        if bucketer.policy.outputs is not None:
+            cuts = bucketer.declared_cuts(plan, padded_out)
+        else:
+            cuts = bucketer.learn_cuts(plan, padded_out, eager_out)
+        out = bucketer.unpad(plan, padded_out, cuts)
+    except (BucketError, ValueError) as exc:
+        reject_bucket(e, entry, f"outputs cannot be cut back: {exc}")
+        return served_eager(call, eager_out, "bucket")
+    result = e.shadow.compare_outputs(out, eager_out, call.args, call.kwargs)
+    e.shadow.note(first, entry.label, result)
+    for graph in due or ():
+        e.table.checked(graph)
+    if result.ok:
+        if not cuts.ambiguous:  # else right for this call only: a later call learns again
+            entry.cuts = cuts
+            entry.status = BucketStatus.READY
+            e.persisted.keep_verified(entry, cuts, e.name)
+        if not call.warmup:
+            entry.count(plan, padded=True)
+            slot.compiled += 1
+        return out
+    # Padding's fault, or the compiler's? Eager on the padded inputs tells.
+    with torch.no_grad():
+        padded_args, padded_kwargs = bucketer.pad(plan, call.args, call.kwargs)
+        padded_eager = bucketer.unpad(plan, e.fn(*padded_args, **padded_kwargs), cuts)
+    padding = e.shadow.compare_outputs(padded_eager, eager_out, call.args, call.kwargs)
+    served = "bucket"
+    if not padding.ok:
+        why = f"padding changed the result: {padding.reason}"
+        reject_bucket(e, entry, why, max_abs=padding.max_abs, max_rel=padding.max_rel)
+    else:
+        served = "check"
+        e.trip(
+            Reason.DRIFT,
+            message=result.reason or "outputs differ",
+            bucket=entry.label,
+            graph=first,
+            max_abs=result.max_abs,
+            max_rel=result.max_rel,
+        )
+    return served_eager(call, eager_out, served)

@@ -9,6 +9,7 @@ document, and nothing more: ``name``, ``state``, ``stats()``, ``events()``, ``wa
 from __future__ import annotations
 
 import contextlib
+import functools
 from typing import Any
 
 import torch
@@ -39,6 +40,8 @@ class Controller:
         """The stable name: what the kill switch, telemetry and persisted verdicts use."""
         self._engine = engine
         self._warm_grad: bool | None = None  # the grad mode warmups run under
+        if engine.deferred is not None:  # a live call's deferred compile: one warmup call
+            engine.deferred.warm = functools.partial(warm_call, engine)
         engine.events.sink.observe_state(self._observed)
 
     def _observed(self) -> tuple[str, bool]:

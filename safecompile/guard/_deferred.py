@@ -116,13 +116,16 @@ class Deferred:
         self._idle = threading.Event()
         self._idle.set()
         self.counts = Counts()
+        # how a queued call compiles: one warmup call (``_paths.warm_call``, wired by the
+        # controller); until wired, nothing is queued (see :meth:`wanted`)
+        self.warm: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None
         _WORKER.ensure(nice)
 
     def wanted(self, key: Hashable) -> bool:
         """Whether a call of this signature should be copied and submitted (cheap: the
         copy is made only when this says so); counts the calls it turns away."""
         with self._lock:
-            return self._admits(key)
+            return self.warm is not None and self._admits(key)
 
     def _admits(self, key: Hashable) -> bool:
         if key in self._pending or key == self._running:

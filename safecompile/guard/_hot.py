@@ -5,10 +5,10 @@ object is not the one last read (``disable()`` makes it stale: ``killswitch.watc
 then — when the gate is open — call the compiled function and look at the calling
 thread's slot, where the graph wrappers noted which graph served the call and whether a
 check is due. Nothing due: count the call in the thread's own slot and return.
-Everything else is a slow path (:mod:`._paths`), handed the engine and one
-:class:`~._slots.Call` record: ``finish`` (a check was due, a graph ran eagerly, or no
-graph ran), ``recover`` (the compiled path raised), ``call_slow`` (the gate is closed, or
-a bucket still needs verifying).
+Everything else is a slow path, handed the engine and one :class:`~._slots.Call` record:
+``finish`` and ``recover`` (:mod:`._finish`: a check was due, a graph ran eagerly or for
+the first time, no graph ran; the compiled path raised), ``call_slow`` (:mod:`._paths`:
+the gate is closed, or a bucket still needs verifying).
 
 With the kill switch on, or rolled back with no trial to come (``gate.eager``: no clock
 read), or none due yet (one clock read against ``gate.eager_until``), the hot path itself
@@ -24,8 +24,10 @@ from safecompile.base import killswitch as ks
 from safecompile.observe.source import without_our_frames
 from safecompile.shapes.table import BucketStatus
 
+from ._buckets import recover_bucketed
 from ._engine import Engine
-from ._paths import call_slow, finish, recover
+from ._finish import finish, recover
+from ._paths import call_slow
 from ._slots import Call, Slot
 
 __all__ = ["entrypoint"]
@@ -142,7 +144,9 @@ def _bucketed_entrypoint(e: Engine) -> Callable[..., Any]:  # noqa: PLR0915 - on
                                     tick(slot)
                                 return out
                             return finish(e, Call(args, kwargs, slot, plan=plan, entry=entry), out)
-                        return recover(e, Call(args, kwargs, slot, plan=plan, entry=entry), failure)
+                        return recover_bucketed(
+                            e, Call(args, kwargs, slot, plan=plan, entry=entry), failure
+                        )
             elif gate.eager or clock() < gate.eager_until:  # kill switch, rolled back: eager
                 try:
                     slot = local.slot

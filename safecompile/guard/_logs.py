@@ -1,7 +1,7 @@
 """torch's log lines inside a guarded call: what the guard says better, held or dropped.
 
-Both filters act only while a frame of the call paths (:mod:`._hot`, :mod:`._paths`) is
-on the stack; elsewhere torch's logs pass untouched.
+Both filters act only while a frame of the call paths (:mod:`._hot`, :mod:`._paths`,
+:mod:`._finish`, :mod:`._buckets`) is on the stack; elsewhere torch's logs pass untouched.
 """
 
 from __future__ import annotations
@@ -18,7 +18,8 @@ from safecompile.base import torchcompat
 __all__ = ["META_LOG"]
 
 _HERE = os.path.dirname(__file__)
-_PATH_FILES = frozenset(os.path.join(_HERE, name) for name in ("_hot.py", "_paths.py"))
+_PATHS = ("_hot.py", "_paths.py", "_finish.py", "_buckets.py")
+_PATH_FILES = frozenset(os.path.join(_HERE, name) for name in _PATHS)
 
 
 class _Held(threading.local):
