@@ -34,8 +34,8 @@ from overhead import own_code
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import safecompile.checks.speed as speed_mod
-import safecompile.guard._speed as arm_mod
 import safecompile.guard._paths as paths_mod
+import safecompile.guard._speed as arm_mod
 from safecompile import Rollback, safe_compile
 
 Shape = tuple[int, int]
