@@ -45,6 +45,26 @@ class CompileTracker:
         self._depth: dict[int, int] = {}
         self.busy = False  # some thread compiles
         self.gate: _Gate | None = None  # closed while a compile runs (set by the engine)
+        self._here = threading.local()  # .allowed: this thread is in a warmup call
+        # held by each warmup call (they may compile) and by reset(): torch cannot drop a
+        # code's graphs while another thread is between compiling and installing one
+        self.warm_lock = threading.RLock()
+
+    def may_here(self) -> bool:
+        """Whether a call on this thread may make a new graph (with deferred compiles, only
+        a warmup call may: a live call's new graph is compiled later, on a worker)."""
+        return getattr(self._here, "allowed", False)
+
+    @contextmanager
+    def here(self) -> Iterator[None]:
+        """A warmup call: this thread may make new graphs while the block runs."""
+        before = self.may_here()
+        with self.warm_lock:
+            self._here.allowed = True
+            try:
+                yield
+            finally:
+                self._here.allowed = before
 
     def busy_elsewhere(self) -> bool:
         me = threading.get_ident()

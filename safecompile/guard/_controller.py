@@ -201,7 +201,11 @@ class Controller:
         # compile) ends first: torch cannot drop a code's graphs while a thread is between
         # compiling one and installing it (the process crashed). Then dynamo's compile
         # lock (any other compile), then the engine's, in the order a compile takes them.
-        with e.warm_lock, torchcompat.compile_lock() or contextlib.nullcontext(), e.gate.lock:
+        with (
+            e.compiles.warm_lock,
+            torchcompat.compile_lock() or contextlib.nullcontext(),
+            e.gate.lock,
+        ):
             e.reset()
         e.events.say(EventKind.RESET, "reset()")
         self._start_warmup()  # again, as at decoration: eager serves meanwhile

@@ -12,11 +12,10 @@ recovery, a rejected bucket. :class:`~._controller.Controller` is the public fac
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -115,7 +114,7 @@ class Engine:
         self.shadow = ShadowRunner(opts.shadow, fn, sink, self.events, self.costs)
         # Warmup(background=True): a live call that would make a new graph is served
         # eager, and the graph compiled later on a worker (._deferred); only threads
-        # inside a warmup call (compiling_here) may compile then.
+        # inside a warmup call (CompileTracker.here) may compile then.
         warmup = opts.warmup
         self.deferred: Deferred | None = None
         if warmup is not None and warmup.background:
@@ -134,10 +133,6 @@ class Engine:
         )
         self.compiles.gate = self.gate
         self._compile_lock = threading.Lock()
-        self._compile_here = threading.local()
-        # held by each warmup call (they may compile) and by reset(): torch cannot drop a
-        # code's graphs while another thread is between compiling and installing one
-        self.warm_lock = threading.RLock()
         time_tracing()
         # One backend for the life of the callable (torch keeps every one it is given).
         self.backend = GuardBackend(
@@ -217,27 +212,12 @@ class Engine:
             options={"guard_filter_fn": guard_filter} if guard_filter is not None else None,
         )
         if self.deferred is not None:  # live threads hold a new graph back (._deferred)
-            missing = torchcompat.hold_new_graphs(traced, self.may_compile_here, self._held)
+            missing = torchcompat.hold_new_graphs(traced, self.compiles.may_here, self._held)
             if missing is not None:
                 torch_missing(missing)
                 self.deferred = None
                 self.gate.deferred = False
         return self.precompiled.serving(traced)  # what an earlier process saved, first
-
-    def may_compile_here(self) -> bool:
-        """Whether a call on this thread may make a new graph (see :attr:`deferred`)."""
-        return getattr(self._compile_here, "allowed", False)
-
-    @contextlib.contextmanager
-    def compiling_here(self) -> Iterator[None]:
-        """A warmup call: this thread may make new graphs while the block runs."""
-        before = self.may_compile_here()
-        with self.warm_lock:
-            self._compile_here.allowed = True
-            try:
-                yield
-            finally:
-                self._compile_here.allowed = before
 
     def _held(self) -> None:
         """A live call's frame would have made a new graph and ran eagerly instead: the

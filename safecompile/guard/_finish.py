@@ -65,7 +65,8 @@ def finish(e: Engine, call: Call, out: Any) -> Any:
         elapsed = e.costs() - started
         served = first is not None and first.compiled and new is None
         e.speed_done(Step.TIME_COMPILED, elapsed if served else None)
-    slot.end()
+    slot.due = slot.snapshot = slot.new = slot.fresh = None  # what it noted: read above
+    slot.started = -1.0
     if fresh is not None and first_runs(e, call, fresh):
         return _checked_after_breach(e, call, due, snapshot, out)
     if first is None or not first.compiled:

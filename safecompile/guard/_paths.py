@@ -18,7 +18,7 @@ from safecompile.shapes.table import BucketStatus
 from ._buckets import call_bucket, plan_bucket
 from ._engine import Engine
 from ._finish import count_eager, defer, discarded, eager, finish, recover
-from ._slots import Call
+from ._slots import Call, Slot
 from ._speed import call_key
 from .shadow import sync_device
 
@@ -29,7 +29,8 @@ def call_slow(
     e: Engine, args: tuple[Any, ...], kwargs: dict[str, Any], *, warmup: bool = False
 ) -> Any:
     """Every call the hot path does not take (see the module doc)."""
-    call = Call(args, kwargs, e.slots.get(), warmup=warmup)
+    slot: Slot | None = getattr(e.slots.local, "slot", None)
+    call = Call(args, kwargs, slot if slot is not None else e.slots.get(), warmup=warmup)
     admitted = _admit(e, call)
     if admitted not in ("trial", "compiled"):
         return eager(e, call, admitted)
@@ -53,7 +54,7 @@ def warm_call(e: Engine, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """One warmup call (:meth:`Controller.warmup`, a deferred compile): the slow path,
     checked, not counted; it may make new graphs."""
     try:
-        with e.compiling_here():
+        with e.compiles.here():
             return call_slow(e, args, kwargs, warmup=True)
     finally:
         discarded(e)  # its outputs are dropped: their backward never runs
@@ -88,7 +89,8 @@ def _admit(e: Engine, call: Call) -> str:  # noqa: PLR0911 - one reason per retu
 
 def _call_compiled(e: Engine, call: Call, *, force: bool) -> Any:
     """Call the compiled function from the slow path (buckets planned here)."""
-    why = "bucket" if not plan_bucket(e, call) else "warming" if _deferred_now(e, call) else None
+    planned = e.buckets is None or plan_bucket(e, call)
+    why = "bucket" if not planned else "warming" if _deferred_now(e, call) else None
     if why is not None:  # its bucket runs eager, or its first compile is deferred
         return eager(e, call, why)
     slot = call.slot
@@ -139,7 +141,8 @@ def _deferred_now(e: Engine, call: Call) -> bool:
 def _plan_speed(e: Engine, call: Call) -> Step:
     """Whether the speed verdict times this call, and on which arm (see
     :mod:`safecompile.checks.speed`). A bucket still verifying its padding is not timed."""
-    e.speed_tick(call.slot)
+    if e.speed.tick(call.slot):  # what the verdict wants changed
+        e.gate.update()
     verdict = e.speed.verdict
     if verdict is None or not verdict.wants:
         return Step.UNTIMED
