@@ -51,8 +51,8 @@ PROCESS_STATE = {
     "runner.py:_guarded_module_class": "cache: the OptimizedModule subclass made once",
     # guard/
     "guard/_deferred.py:_WORKER": "the deferred-compile worker thread (renewed in a fork)",
+    "guard/_isa_checks.py:ISA_CHECKS": "cache: CPU instruction-set answers",
     "guard/_logs.py:META_LOG": "dynamo's meta log held while a graph compiles",
-    "guard/_precompile.py:ISA_CHECKS": "cache: CPU instruction-set answers",
     "guard/_workers.py:CHECKS": "the async shadow checks' thread (renewed in a fork)",
     "guard/_workers.py:EXITING": "set once when the interpreter exits",
     "guard/_workers.py:_LOCK": "EXITING and the workers the exit waits for (renewed in a fork)",

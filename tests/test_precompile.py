@@ -24,8 +24,8 @@ from torch._dynamo.utils import counters
 
 from safecompile import Buckets, Shadow, State, Warmup, safe_compile
 from safecompile.base import torchcompat
-from safecompile.guard import _precompile
-from safecompile.guard._precompile import ISA_SCOPE, IsaChecks, _isa_key
+from safecompile.guard import _isa_checks, _precompile
+from safecompile.guard._isa_checks import ISA_SCOPE, IsaChecks, _isa_key
 from safecompile.guard.backend import GuardBackend
 from safecompile.observe.log import forget_said
 from safecompile.persist import remote as _remote
@@ -369,7 +369,7 @@ def test_isa_checks_that_passed_are_kept_signed_and_answered_without_running(
     record.write_text(json.dumps(doc))
     restarted().answer("forged", check(True))
     assert ran == [True]
-    monkeypatch.setattr(_precompile, "environment", lambda device: {"torch": "9.9.9"})
+    monkeypatch.setattr(_isa_checks, "environment", lambda device: {"torch": "9.9.9"})
     restarted().answer("passed", check(True))
     assert ran == [True]
 

@@ -6,9 +6,10 @@ under ``SAFECOMPILE_CACHE_DIR`` and in the remote tier. A new process loads them
 first compile and runs a call that passes one's guards through it, wrapped like a traced
 graph; anything else takes today's path, with one ``safecompile.precompiled`` event. A torch
 that cannot precompile (``torchcompat.compiled_function_loader``) traces every restart.
-Inductor's vector-ISA checks that passed are kept the same way, so a restart skips them,
-and so are the C++ kernels a function's graphs load (``persist/kernels.py``), so a replica
-with an empty disk builds none.
+Inductor's vector-ISA checks that passed are kept the same way (``_isa_checks.py``), so
+a restart skips them, and so are the C++ kernels a function's graphs load
+(``persist/kernels.py``), so a replica with an empty disk builds none. What a warm
+signature compiles to, and why one is not saved, is ``_aot_compile.py``'s.
 """
 
 from __future__ import annotations
@@ -16,10 +17,8 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import io
-import json
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -30,24 +29,17 @@ from typing import Any
 import torch
 
 from safecompile.base import torchcompat
-from safecompile.observe.explain import explain
 from safecompile.observe.log import Once, log_event, torch_missing
-from safecompile.observe.source import location_of_error
 from safecompile.persist import kernels
 from safecompile.persist.bounded import read_file
-from safecompile.persist.cache import (
-    Verdict,
-    VerdictStore,
-    _write_atomic,
-    environment,
-    signed_store,
-)
+from safecompile.persist.cache import Verdict, _write_atomic, signed_store
 from safecompile.persist.restart import Persisted
-from safecompile.persist.sources import code_record, describe_global, stale_reasons
-from safecompile.shapes.buckets import Plan
-from safecompile.shapes.table import BucketStatus, BucketTable, unmark
+from safecompile.persist.sources import stale_reasons
+from safecompile.shapes.table import BucketTable, unmark
 
-from .facts import GraphFacts, read_facts
+from ._aot_compile import Args, aot_compile, as_compiled, not_saved
+from ._isa_checks import ISA_CHECKS
+from .facts import GraphFacts
 
 __all__ = ["Precompiled"]
 
@@ -56,22 +48,6 @@ LAST_KEY = "precompiled_key"  # under the key that outlives an edit: the last ke
 PURPOSE = "precompiled"  # the MAC's purpose for a function's bytes
 MAX_BYTES = 1 << 30
 READ_TIMEOUT_S = 30.0
-# Guards (``<kind>_MATCH``) on a global that a loaded function no longer checks, whose
-# value (described) is saved and compared at load; a graph guarded on a global in any
-# other way (a tensor's) is not saved.
-_RECORDED = frozenset(
-    [
-        *("BUILTIN", "CLASS", "CLOSURE", "FUNCTION", "ID", "MODULE", "TYPE", "CONSTANT"),
-        *("EQUALS", "SEQUENCE_LENGTH", "DICT_KEYS", "DICT_LENGTH", "LIST_LENGTH", "BOOL"),
-        *("NONE", "NOT_NONE", "TUPLE_ITERATOR_LEN", "NOT_PRESENT_IN_GENERIC_DICT"),
-        *("DICT_CONTAINS", "HASATTR", "DUPLICATE_INPUT"),
-    ]
-)
-_UNRECORDED_VALUES = (torch.Tensor, torch.nn.Module)
-_TORCH_GLOBAL = "G['__import_torch"  # torch's own modules: part of the torch version
-ISA_SCOPE = "torch._inductor.cpu_vec_isa"  # the vector-ISA checks passed on this machine
-
-Args = tuple[tuple[Any, ...], dict[str, Any]]  # a call's positional and keyword arguments
 Adopt = Callable[[Callable[..., Any], GraphFacts], Callable[..., Any]]
 
 
@@ -141,7 +117,7 @@ class Precompiled:
             return
         made: list[Any] = []
         for call in calls:
-            compiled = _as_compiled(call, buckets)
+            compiled = as_compiled(call, buckets)
             if compiled is None:
                 continue  # a rejected bucket: it runs eager
             (args, kwargs), plan = compiled
@@ -151,7 +127,7 @@ class Precompiled:
             try:
                 made.append(self._save_one(key, args, kwargs))
             except Exception as exc:  # a graph break, a backend torch cannot serialize...
-                cause, reason = _not_saved(exc, self._top)
+                cause, reason = not_saved(exc, self._top)
                 self._event("not_saved", reason, logging.INFO, cause=cause)
                 break  # the other signatures would most likely fail the same way
             finally:
@@ -166,53 +142,12 @@ class Precompiled:
         ISA_CHECKS.save(store)
 
     def _save_one(self, key: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        facts: list[GraphFacts] = []
-        read: list[str] = []  # globals guarded on in a way no record checks
-        recorded: dict[str, str] = {}  # the other globals guarded on: name -> value described
-        unserializable = torchcompat.lookup(  # checked: 2.13.0 (torch's default filter's)
-            "torch._dynamo.guards.CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES"
-        )
-
-        def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-            compiled = self._compiler(gm, example_inputs)
-            facts.append(read_facts(gm))
-            return compiled
-
-        def guards(entries: list[Any]) -> list[bool]:
-            # as torch's default, no guard on a global is kept: each is recorded with the
-            # value it held (checked before a load), or the graph is not saved
-            for g in entries:
-                if not g.is_global or g.name.startswith(_TORCH_GLOBAL):
-                    continue
-                if (
-                    g.has_value
-                    and g.guard_type.removesuffix("_MATCH") in _RECORDED
-                    and not isinstance(g.value, _UNRECORDED_VALUES)
-                ):
-                    recorded[g.name] = describe_global(g.value)
-                else:
-                    read.append(g.name)
-            return [not (g.is_global or g.guard_type in (unserializable or ())) for g in entries]
-
-        compile_: Any = torchcompat.torch_compile()  # torch's own, under install() too
-        options = {"guard_filter_fn": guards}
-        fn = compile_(
-            self._top, fullgraph=True, backend=backend, dynamic=self._dynamic, options=options
-        )
-        saved = fn.aot_compile((args, kwargs))
-        if facts[0].effects:  # updates to find again at run time
-            raise NotSaved("python_side_effects", "it updates Python objects")
-        if read:  # global values no record checks
-            raise NotSaved("global_read", f"it reads globals no record checks: {read[:3]}")
-        inlined = torchcompat.inlined_sources(saved)
-        if isinstance(inlined, torchcompat.Missing):  # what it came from cannot be checked
-            raise NotSaved("untracked_code", f"{inlined.name}: {inlined.effect}")
-        scope = str(self._top.__globals__.get("__name__"))
-        record = code_record(inlined, recorded, scope)
+        made = aot_compile(self._top, self._compiler, self._dynamic, args, kwargs)
+        saved = made.fn
         data: bytes = type(saved).serialize(saved, self._external).serialized_data
         file = f"{hashlib.sha256(data).hexdigest()[:32]}.bin"
         self._put(key, file, data)
-        entry = dataclasses.asdict(facts[0]) | {"file": file, "code": record}
+        entry = dataclasses.asdict(made.facts) | {"file": file, "code": made.code}
         self._saved[file] = entry | (self._ship_kernels(key, saved) if self._inductor else {})
         return saved
 
@@ -383,91 +318,6 @@ class Precompiled:
             )
 
 
-class NotSaved(Exception):
-    """A warm signature that is compiled but not saved, and why (``cause``: one word)."""
-
-    def __init__(self, cause: str, reason: str) -> None:
-        super().__init__(reason)
-        self.cause = cause
-
-
-def _not_saved(exc: Exception, fn: Callable[..., Any]) -> tuple[str, str]:
-    """The ``cause`` and ``reason`` of a ``not_saved`` event: ``graph_break`` (torch
-    precompiles whole graphs only), ``not_serializable`` (a backend's result torch cannot
-    save), ``python_side_effects``, ``global_read``, ``untracked_code`` or ``error``."""
-    if isinstance(exc, NotSaved):
-        return exc.cause, f"{exc}: this signature is traced at every start"
-    said = explain(exc, location_of_error(exc, fn)[0])
-    if said.kind == "graph_break":
-        location, _ = location_of_error(exc, fn)
-        where = f" at {os.path.basename(location.file)}:{location.line}" if location else ""
-        reason = (
-            f"{said.summary}{where}: torch precompiles whole graphs only, so this "
-            "signature is traced at every start"
-        )
-        return "graph_break", reason
-    cause = "not_serializable" if "SerializableCallable" in str(exc) else "error"
-    return cause, f"{type(exc).__name__}: {exc}"
-
-
-class IsaChecks:
-    """Inductor's vector-ISA checks (each builds a C++ program and loads it in a new Python:
-    ten a process, ~3 s here) answered from those passed in an earlier process of the same
-    torch, Python and CPU, kept signed. torch still reads the CPU's flags itself before it
-    asks a check, and a check not passed before runs: no saved answer claims an instruction."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._routed = False
-        self._passed: set[str] = set()  # torch's keys of the checks passed
-        self._unsaved = False
-
-    def route(self, store: VerdictStore) -> None:
-        """Once per process, before inductor's first check: read what passed before."""
-        with self._lock:
-            if self._routed:
-                return
-            self._routed = True
-        verdict = store.get(_isa_key(), ISA_SCOPE)
-        passed = verdict.details.get("passed", []) if verdict is not None else []
-        with self._lock:
-            self._passed.update(k for k in passed if isinstance(k, str))
-        missing = torchcompat.route_vec_isa_checks(self.answer)
-        if isinstance(missing, torchcompat.Missing):
-            torch_missing(missing)
-
-    def answer(self, key: str, check: Callable[[], bool]) -> bool:
-        if key in self._passed:
-            return True
-        if not check():
-            return False  # not kept: a failure may be passing (a probe timed out)
-        with self._lock:
-            self._passed.add(key)
-            self._unsaved = True
-        return True
-
-    def save(self, store: VerdictStore) -> None:
-        with self._lock:
-            if not self._unsaved:
-                return
-            self._unsaved = False
-            passed = sorted(self._passed)
-        verdict = Verdict(kind="vec_isa_checks", time=time.time(), details={"passed": passed})
-        store.put(_isa_key(), verdict, ISA_SCOPE)
-
-
-ISA_CHECKS = IsaChecks()
-
-
-def _isa_key() -> str:
-    """What a check's result depends on besides torch's key for it (which holds the
-    compiler's version, the flags and the torch version): this torch build, its library
-    directory, this Python, the CPU."""
-    lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    facts = environment("cpu") | {"torch.lib": lib, "python.executable": sys.executable}
-    return hashlib.sha256(json.dumps(facts, sort_keys=True).encode()).hexdigest()[:32]
-
-
 def _stale_text(reasons: list[str]) -> str:
     shown = "; ".join(reasons[:5]) + (f" (and {len(reasons) - 5} more)" if len(reasons) > 5 else "")
     return f"saved from other code ({shown}): traced afresh (saved again after a warmup)"
@@ -494,17 +344,3 @@ def _unmarked_match(loaded: tuple[Any, ...], args: tuple[Any, ...], kwargs: dict
 
 
 _MARKS = torchcompat.DYNAMIC_MARKS
-
-
-def _as_compiled(call: Args, buckets: BucketTable | None) -> tuple[Args, Plan | None] | None:
-    """A warm call's arguments as the compiled function got them, and with
-    ``strategy="dynamic"`` the plan whose range to mark on them (``None``: it did not get
-    them, a rejected bucket)."""
-    plan = buckets.bucketer.plan(*call) if buckets is not None else None
-    if buckets is None or plan is None or plan.status != "bucketed":
-        return call, None
-    if buckets.entry(plan).status is BucketStatus.REJECTED:
-        return None
-    if not buckets.pads:
-        return call, plan
-    return buckets.bucketer.pad(plan, *call), None
