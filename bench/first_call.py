@@ -3,7 +3,7 @@
 A compiled graph's first run runs its compiled code on copies of the tensors it is given
 and its traced graph eagerly on the caller's own (docs/design.md, "A graph's first run").
 This times a guarded callable's first call (trace, compile, first run) and its second
-call, with the protection on and off (``safecompile.guard.backend.PROTECT_FIRST_RUNS``),
+call, with the protection on and off (``safecompile.guard._graph_backend.PROTECT_FIRST_RUNS``),
 side by side: each round makes a fresh guarded copy of each case for both variants, in
 alternating order, after ``torch._dynamo.reset()``. Cases:
 
@@ -36,7 +36,7 @@ import torch
 from _models import MLP  # bench/ is on sys.path when a bench runs as a script
 
 from safecompile import Shadow, safe_compile
-from safecompile.guard import backend as graphs
+from safecompile.guard import _graph_backend as graphs
 
 warnings.filterwarnings("ignore")
 torch.set_num_threads(1)

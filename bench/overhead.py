@@ -131,7 +131,7 @@ def split_variants(
     - torch.compile with the options the guard passes (``isolate_recompiles``, its own
       recompile limit) and no backend wrapper;
     - the guard's compiled function called directly: torch's call plus the guard's
-      per-graph wrapper (``backend.GuardBackend._instrument``), without the guard's own frame.
+      per-graph wrapper (``GuardBackend._instrument``), without the guard's own frame.
     """
     iso = bare_compile(
         own_code(fn, "isolated"), backend, isolate_recompiles=True, recompile_limit=18

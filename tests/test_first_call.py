@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from safecompile import Buckets, EventKind, Shadow, State, safe_compile
-from safecompile.guard import backend as graphs
+from safecompile.guard import _graph_backend as graphs
 from safecompile.guard import facts
 from safecompile.testing import DriftingBackend, RecordingBackend
 

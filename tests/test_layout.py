@@ -57,8 +57,8 @@ PROCESS_STATE = {
     "guard/_workers.py:EXITING": "set once when the interpreter exits",
     "guard/_workers.py:_LOCK": "EXITING and the workers the exit waits for (renewed in a fork)",
     "guard/_workers.py:_WORKERS": "the workers the exit waits for (emptied in a fork)",
-    "guard/backend.py:_TRACE": "per thread: the graph being traced",
-    "guard/facts.py:_closure_names": "cache: dynamo's closure helpers",
+    "guard/_graph_backend.py:_TRACE": "per thread: the graph being traced",
+XX
     "guard/facts.py:_seeded": "cache: whether an ATen op draws random numbers",
 }
 

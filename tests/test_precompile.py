@@ -25,8 +25,8 @@ from torch._dynamo.utils import counters
 from safecompile import Buckets, Shadow, State, Warmup, safe_compile
 from safecompile.base import torchcompat
 from safecompile.guard import _isa_checks, _precompile
+from safecompile.guard._graph_backend import GuardBackend
 from safecompile.guard._isa_checks import ISA_SCOPE, IsaChecks, _isa_key
-from safecompile.guard.backend import GuardBackend
 from safecompile.observe.log import forget_said
 from safecompile.persist import remote as _remote
 from safecompile.persist.cache import Verdict, VerdictStore

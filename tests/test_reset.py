@@ -13,7 +13,7 @@ from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
 from safecompile import State, disable, enable, safe_compile
 from safecompile.base import torchcompat
-from safecompile.guard.backend import GuardBackend
+from safecompile.guard._graph_backend import GuardBackend
 from safecompile.guard.graphs import GraphRecord
 
 

@@ -36,12 +36,13 @@ from ._compiles import CompileTracker, KnownFailures
 from ._deferred import Deferred
 from ._events import EventLog
 from ._gate import Gate
+from ._graph_backend import GuardBackend, time_tracing
 from ._precompile import Precompiled
 from ._serving import Serving
 from ._slots import Slot, Slots
 from ._speed import SpeedArm
 from ._trips import Trips, Turn
-from .backend import GuardBackend, compile_function, own_frame, time_tracing
+from .backend import compile_function, own_frame
 from .graphs import GraphRecord, GraphTable
 from .peers import Peers
 from .shadow import ShadowRunner

@@ -26,9 +26,9 @@ from safecompile.persist import remote
 from ._deferred import copy_call, signature
 from ._engine import Engine
 from ._first_run import FirstRun
+from ._graph_backend import compile_seconds
 from ._logs import META_LOG
 from ._slots import Call
-from .backend import compile_seconds
 from .graphs import GraphRecord
 from .shadow import Outcome, run_later, sync_device
 

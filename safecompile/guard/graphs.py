@@ -21,7 +21,8 @@ import torch
 from safecompile.base.policies import FOREVER, Shadow
 from safecompile.observe.source import graph_breaks_of
 
-from .facts import Effect, GraphFacts, random_op, read_facts
+from ._effects import Effect
+from .facts import GraphFacts, random_op, read_facts
 
 __all__ = ["GraphRecord", "GraphTable", "RecordedGraph", "Recorder"]
 
