@@ -58,7 +58,7 @@ PROCESS_STATE = {
     "guard/_workers.py:_LOCK": "EXITING and the workers the exit waits for (renewed in a fork)",
     "guard/_workers.py:_WORKERS": "the workers the exit waits for (emptied in a fork)",
     "guard/_graph_backend.py:_TRACE": "per thread: the graph being traced",
-XX
+    "guard/_effects.py:_closure_names": "cache: dynamo's closure helpers",
     "guard/facts.py:_seeded": "cache: whether an ATen op draws random numbers",
 }
 
