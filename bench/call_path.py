@@ -5,7 +5,10 @@ Counts instructions of nothing and times nothing: it reads the path. For each sc
 fresh guarded callable runs one call under the profiler, which notes every Python
 function entered in ``safecompile`` (``entries``), every call from one ``safecompile``
 module into another (``crossings``), the crossings between two modules of
-``safecompile.guard`` (``guard crossings``), and how often the gate is recomputed
+``safecompile.guard`` (``guard crossings``), the crossings between the call paths, the
+engine, the graphs and the shadow checks (``role crossings``: each guard module counted
+as the part it belongs to, :data:`ROLES`, so a part split into several files counts as
+one), and how often the gate is recomputed
 (``gate updates``: ``Engine.update_gate`` before the gate had a module of its own,
 ``Gate.update`` since). Scenarios:
 
@@ -52,6 +55,27 @@ def fn(x: torch.Tensor) -> torch.Tensor:
     return torch.sin(x) * 2 + 1
 
 
+#: The part of the guard each module belongs to (modules before and after the guard's
+#: reshaping: a call from ``_paths`` into ``_finish`` stays inside the call paths).
+ROLES = {
+    "_paths": "paths",
+    "_hot": "paths",
+    "_finish": "paths",
+    "_buckets": "paths",
+    "_engine": "engine",
+    "_events": "engine",
+    "_gate": "engine",
+    "_speed": "engine",
+    "graphs": "graphs",
+    "_graph_backend": "graphs",
+    "facts": "graphs",
+    "_effects": "graphs",
+    "_first_run": "graphs",
+    "shadow": "shadow",
+    "_compare": "shadow",
+}
+
+
 def _module(frame: types.FrameType) -> str | None:
     name = frame.f_globals.get("__name__")
     return name if isinstance(name, str) and name.startswith("safecompile") else None
@@ -64,6 +88,7 @@ class Counter:
         self.entries = 0
         self.crossings = 0
         self.guard_crossings = 0
+        self.role_crossings = 0
         self.gate_updates = 0
         self.by_module: collections.Counter[str] = collections.Counter()
         self.trace: list[str] = []
@@ -86,6 +111,9 @@ class Counter:
         self.crossings += 1
         if caller.startswith("safecompile.guard") and callee.startswith("safecompile.guard"):
             self.guard_crossings += 1
+            roles = ROLES.get(caller.rsplit(".", 1)[1]), ROLES.get(callee.rsplit(".", 1)[1])
+            if None not in roles and roles[0] != roles[1]:
+                self.role_crossings += 1
             assert back is not None
             self.trace.append(
                 f"{caller.rsplit('.', 1)[1]}.{back.f_code.co_name} -> "
@@ -140,6 +168,7 @@ def main() -> None:
                 "entries": c.entries,
                 "crossings": c.crossings,
                 "guard_crossings": c.guard_crossings,
+                "role_crossings": c.role_crossings,
                 "gate_updates": c.gate_updates,
                 "by_module": dict(c.by_module.most_common()),
             }
@@ -147,9 +176,13 @@ def main() -> None:
         }
         print(json.dumps(figures, indent=2))
         return
-    print(f"{'scenario':10} {'entries':>8} {'crossings':>10} {'guard crossings':>16} {'gate':>5}")
+    head = ("scenario", "entries", "crossings", "guard crossings", "role crossings", "gate")
+    print(f"{head[0]:10} {head[1]:>8} {head[2]:>10} {head[3]:>16} {head[4]:>15} {head[5]:>5}")
     for s, c in results.items():
-        print(f"{s:10} {c.entries:8} {c.crossings:10} {c.guard_crossings:16} {c.gate_updates:5}")
+        figures = (c.entries, c.crossings, c.guard_crossings, c.role_crossings, c.gate_updates)
+        print(
+            f"{s:10} {figures[0]:8} {figures[1]:10} {figures[2]:16} {figures[3]:15} {figures[4]:5}"
+        )
 
 
 if __name__ == "__main__":

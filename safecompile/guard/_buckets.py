@@ -199,9 +199,11 @@ def _verify_bucket(e: Engine, call: Call, padded_out: Any) -> Any:
         reject_bucket(e, entry, f"outputs cannot be cut back: {exc}")
         return served_eager(call, eager_out, "bucket")
     result = e.shadow.compare_outputs(out, eager_out, call.args, call.kwargs)
-    e.shadow.note(first, entry.label, result)
+    breach = e.shadow.note(first, entry.label, result)
+    if breach is not None:
+        e.events.record(breach)
     for graph in due or ():
-        e.table.checked(graph)
+        e.shadow.checked(graph)
     if result.ok:
         if not cuts.ambiguous:  # else right for this call only: a later call learns again
             entry.cuts = cuts

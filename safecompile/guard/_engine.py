@@ -22,7 +22,7 @@ import torch
 
 from safecompile.base import killswitch as ks
 from safecompile.base import torchcompat
-from safecompile.base.model import EventKind, Reason
+from safecompile.base.model import Event, EventKind, Reason
 from safecompile.base.options import CompilerFn, Options
 from safecompile.checks.speed import Step, call_clock
 from safecompile.observe.log import torch_missing, warn_once
@@ -276,9 +276,9 @@ class Engine:
             if turn.kind == "trial":
                 self.speed.restart()
             elif turn.kind == "recovered":
-                self.table.restart_canary()
+                self.shadow.restart_canary(self.table)
                 self.speed.restart()
-        if any(turn.kind != "bucket_rejected" for turn in done):
+        if any(turn.kind in ("tripped", "trial", "recovered") for turn in done):
             self.gate.update()
         for turn in done:
             if turn.event is not None:
@@ -294,10 +294,12 @@ class Engine:
         graph: GraphRecord | None = None,
         max_abs: float | None = None,
         max_rel: float | None = None,
+        breach: Event | None = None,
     ) -> None:
         """Send every later call to eager (until ``retry_after``, or ``reset()``); with a
         process group, the peers follow at the next safe point (:mod:`._trips`). Every
-        trip comes here."""
+        trip comes here; ``breach``: the event of the comparison that tripped it, recorded
+        first."""
 
         event = functools.partial(
             self.events.rollback,
@@ -309,7 +311,8 @@ class Engine:
             max_abs=max_abs,
             max_rel=max_rel,
         )
-        self.act(self.trips.trip(reason, event))
+        seen = Turn("breach", breach) if breach is not None else None
+        self.act(seen, self.trips.trip(reason, event))
 
     def safe_point(self, call: int) -> None:
         """Agree with the peers before call ``call`` (a process group), and switch."""

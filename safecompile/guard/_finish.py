@@ -99,13 +99,13 @@ def first_runs(e: Engine, call: Call, runs: list[FirstRun]) -> bool:
         seen = run.seen
         if seen is None or seen.ok:
             continue
-        e.shadow.note(run.graph, None, seen)
         e.trip(
             Reason.DRIFT,
             message=f"first run: {seen.reason or 'outputs differ'}",
             graph=run.graph,
             max_abs=seen.max_abs,
             max_rel=seen.max_rel,
+            breach=e.shadow.note(run.graph, None, seen),
         )
         count_eager(call, "check")
         return True
@@ -119,9 +119,7 @@ def _checked_after_breach(
     call still makes its eager run of the whole call, as a peer rank's call that checks it
     does, so the collectives inside pair up; eager's result if it asks for it."""
     if due and snapshot is not None:
-        verdict = e.shadow.check(
-            e.table, due, snapshot, call.args, call.kwargs, out, compiled_s=None
-        )
+        verdict = e.shadow.check(due, snapshot, call.args, call.kwargs, out, compiled_s=None)
         _check_later(e, verdict)
         if verdict.use_eager or verdict.breach is not None:
             discarded(e)
@@ -143,9 +141,7 @@ def _check(
     if started is not None and started >= 0.0:
         sync_device(out)  # on CUDA: the work done, not its launch
         compiled_s = e.costs() - started
-    verdict = e.shadow.check(
-        e.table, due, snapshot, call.args, call.kwargs, out, compiled_s=compiled_s
-    )
+    verdict = e.shadow.check(due, snapshot, call.args, call.kwargs, out, compiled_s=compiled_s)
     _check_later(e, verdict)
     if not verdict.use_eager and verdict.breach is None:
         return None

@@ -141,10 +141,13 @@ def _deferred_now(e: Engine, call: Call) -> bool:
 def _plan_speed(e: Engine, call: Call) -> Step:
     """Whether the speed verdict times this call, and on which arm (see
     :mod:`safecompile.checks.speed`). A bucket still verifying its padding is not timed."""
-    if e.speed.tick(call.slot):  # what the verdict wants changed
-        e.gate.update()
-    verdict = e.speed.verdict
-    if verdict is None or not verdict.wants:
+    verdict, slot = e.speed.verdict, call.slot
+    if verdict is None:
+        return Step.UNTIMED
+    # told of the calls so far while it wants calls, else in batches, as the hot path does
+    if (verdict.wants or slot.compiled + slot.eager >= slot.mark) and e.speed.tick(slot):
+        e.gate.update()  # what the verdict wants changed
+    if not verdict.wants:
         return Step.UNTIMED
     plan, entry = call.plan, call.entry
     pads = e.buckets is not None and e.buckets.pads

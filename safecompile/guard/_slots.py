@@ -66,8 +66,9 @@ class Slot:
         # before a timed call, else by the wrapper when a check is due at the first graph
         self.started = -1.0
         # The speed verdict (safecompile.checks.speed): the hot path reports to it when
-        # ``compiled`` reaches ``mark``; ``seen`` is what it was told so far.
-        self.mark = 0
+        # ``compiled`` reaches ``mark``; ``seen`` is what it was told so far. The first
+        # call is told with the second (0: the next call reports: Slots.remark).
+        self.mark = 1
         self.seen = 0
 
     def end(self) -> None:

@@ -38,9 +38,10 @@ class Turn:
     """What a trip, a trial or a recovery changed (``Engine.act`` acts on it):
     ``tripped`` (the breaker opened: count a rollback), ``trial`` (a trial starts: the
     speed verdict times the path it tries), ``recovered`` (compiled serves again: canary
-    and speed restart), ``bucket_rejected`` (one bucket runs eager from now on)."""
+    and speed restart), ``bucket_rejected`` (one bucket runs eager from now on), ``breach``
+    (a comparison failed: its event, recorded before the trip's)."""
 
-    kind: Literal["tripped", "trial", "recovered", "bucket_rejected"]
+    kind: Literal["tripped", "trial", "recovered", "bucket_rejected", "breach"]
     event: Event | None = None  # to record (``None``: nothing new to say)
 
 

@@ -143,31 +143,12 @@ class GraphTable:
             return FOREVER
         return self._shadow.countdown(record.canary_left)
 
-    def checked(self, record: GraphRecord) -> None:
-        """One check of the record was made (or could not be made and never will)."""
-        if record.canary_left > 0:
-            record.canary_left -= 1
-        record.checks += 1
-        record.set_countdown(self.countdown(record))
-
     def clear(self) -> None:
         """Forget every graph (``reset()``): ids start again from 1."""
         with self._lock:
             self._records.clear()
             self._ids = itertools.count(1)
             self.size = 0
-
-    def never_check(self, record: GraphRecord, why: str) -> None:
-        record.unchecked = why
-        record.canary_left = 0
-        record.set_countdown(FOREVER)
-
-    def restart_canary(self) -> None:
-        """After a recovery, every compiled graph is watched again from the start."""
-        for record in self:
-            if record.compiled and record.unchecked is None and self._shadow is not None:
-                record.canary_left = self._shadow.canary
-                record.set_countdown(self.countdown(record))
 
     def __iter__(self) -> Iterator[GraphRecord]:
         with self._lock:

@@ -1,6 +1,6 @@
 """Shadow checks: compare a compiled call with eager, per graph, state-safe.
 
-A check is due when a graph that served the call says so (:class:`~.graphs.GraphTable`),
+A check is due when a graph that served the call says so (its countdown, kept here),
 and runs *after* the compiled call. ``sync``: eager runs on the caller's own arguments and
 grad mode, so on a breach the caller gets eager's result with its gradients; state the
 compiled run updated is swapped back first (:mod:`safecompile.checks.snapshot`), and the
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from safecompile.base.model import Event, EventKind
-from safecompile.base.policies import Shadow, compare_label
+from safecompile.base.policies import FOREVER, Shadow, compare_label
 from safecompile.base.torchcompat import pytree
 from safecompile.checks.compare import Comparison
 from safecompile.checks.timing import LatencyWindow
@@ -101,7 +101,6 @@ class ShadowRunner:
 
     def check(
         self,
-        table: GraphTable,
         due: list[GraphRecord],
         snapshot: Snapshot | None,
         args: tuple[Any, ...],
@@ -116,11 +115,11 @@ class ShadowRunner:
         if self.policy is None or snapshot is None:
             return Outcome()
         changed = snapshot.changed()
-        if not self._checkable(table, due, snapshot, changed=changed):
+        if not self._checkable(due, snapshot, changed=changed):
             return Outcome()
         canary = any(g.canary_left > 0 for g in due)
         for g in due:
-            table.checked(g)
+            self.checked(g)
         if self.policy.mode == "async":
             return Outcome(later=self._later(graph, args, kwargs, out, compiled_s, canary))
         after = snapshot.swap_back() if changed or snapshot.objects else None
@@ -135,15 +134,15 @@ class ShadowRunner:
         except Exception as exc:  # a comparison that cannot be made: eager's answer stands
             self.skip_graph(graph, f"the outputs could not be compared ({type(exc).__name__})")
             return Outcome(eager_out=eager_out, graph=graph, use_eager=True)
-        self.note(graph, None, result, compiled_s, eager_s, canary)
+        said = self.note(graph, None, result, compiled_s, eager_s, canary)
+        if said is not None:
+            self._events.record(said)
         if result.ok and after is not None:
             after.keep_compiled()  # the state the compiled outputs came with
         breach = None if result.ok else result.reason or "outputs differ"
         return Outcome(breach, eager_out, result.max_abs, result.max_rel, graph)
 
-    def _checkable(
-        self, table: GraphTable, due: list[GraphRecord], snapshot: Snapshot, *, changed: bool
-    ) -> bool:
+    def _checkable(self, due: list[GraphRecord], snapshot: Snapshot, *, changed: bool) -> bool:
         """Whether this check can be made faithfully; if not, an event says why once, and
         the state is copied from the next check on, or the graphs are never checked."""
         assert self.policy is not None
@@ -163,7 +162,7 @@ class ShadowRunner:
                 return True
             why = why or "it updates state, which an async check cannot isolate"
         for g in due:
-            table.never_check(g, why)
+            self.never_check(g, why)
         hint = "" if self.policy.mode == "sync" else " (Shadow(mode='sync') can check it)"
         self.skip_graph(due[0], f"{why}; this graph is not checked{hint}")
         return False
@@ -217,8 +216,10 @@ class ShadowRunner:
         compiled_s: float | None = None,
         eager_s: float | None = None,
         canary: bool = True,
-    ) -> None:
-        """Count a comparison: a check's, or one the controller made (a bucket's padding)."""
+    ) -> Event | None:
+        """Count a comparison: a check's, or one the call path made (a graph's first run, a
+        bucket's padding); the ``breach`` event of one that failed, for the caller to
+        record (``None``: it passed)."""
         with self._lock:
             c, counts = self._c, self._c.counts
             counts.checks += 1
@@ -237,12 +238,49 @@ class ShadowRunner:
             bucket=where,
             log_span=canary,
         )
-        if not result.ok:
-            figures = {"max_abs_diff": result.max_abs, "max_rel_diff": result.max_rel}
-            extra = {"differ": dict(result.where)} if result.where is not None else {}
-            self._say(
-                EventKind.BREACH, graph, bucket=where, message=result.reason, extra=extra, **figures
-            )
+        if result.ok:
+            return None
+        extra = {"differ": dict(result.where)} if result.where is not None else {}
+        details = {"graph": graph.id} if graph is not None else {}
+        return Event(
+            kind=EventKind.BREACH,
+            time=time.time(),
+            bucket=where,
+            message=result.reason,
+            details=details | extra,
+            max_abs_diff=result.max_abs,
+            max_rel_diff=result.max_rel,
+        )
+
+    def checked(self, record: GraphRecord) -> None:
+        """One check of the record was made (or could not be made and never will): a
+        canary check less to go, and the countdown to its next check, as the policy says."""
+        if record.canary_left > 0:
+            record.canary_left -= 1
+        record.checks += 1
+        _count_down(record, self._countdown(record))
+
+    def never_check(self, record: GraphRecord, why: str) -> None:
+        record.unchecked = why
+        record.canary_left = 0
+        _count_down(record, FOREVER)
+
+    def restart_canary(self, table: GraphTable) -> None:
+        """After a recovery, every compiled graph is watched again from the start."""
+        policy = self.policy
+        if policy is None:
+            return
+        for record in table:
+            if record.compiled and record.unchecked is None:
+                record.canary_left = policy.canary
+                _count_down(record, self._countdown(record))
+
+    def _countdown(self, record: GraphRecord) -> int:
+        """The record's next countdown, as the shadow policy decides."""
+        policy = self.policy
+        if policy is None or record.unchecked is not None or not record.compiled:
+            return FOREVER
+        return policy.countdown(record.canary_left)
 
     def skip_graph(self, graph: GraphRecord | None, why: str) -> None:
         """Count a skipped check, and say once per graph and reason why it was skipped."""
@@ -298,7 +336,9 @@ class ShadowRunner:
                 with torch.no_grad():
                     eager_out, eager_s = self._eager(*inputs)
                 result = self.compare_outputs(out, eager_out, *inputs)
-                self.note(graph, None, result, compiled_s, eager_s, canary)
+                said = self.note(graph, None, result, compiled_s, eager_s, canary)
+                if said is not None:
+                    self._events.record(said)
                 if not result.ok:
                     breach = result.reason or "outputs differ"
                     return Outcome(breach, None, result.max_abs, result.max_rel, graph)
@@ -318,6 +358,13 @@ def sync_device(out: Any) -> None:
         if isinstance(leaf, torch.Tensor) and leaf.is_cuda:
             torch.cuda.synchronize(leaf.device)
             return
+
+
+def _count_down(record: GraphRecord, value: int) -> None:
+    """Runs left before the record's next check; the runs counted down so far are kept
+    (as :meth:`GraphRecord.set_countdown`)."""
+    record.runs += record.counted_from - record.countdown
+    record.countdown = record.counted_from = value
 
 
 def _where(graph: GraphRecord | None) -> str | None:
