@@ -9,6 +9,7 @@ other word of the snippets runs as printed.
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
@@ -42,6 +43,19 @@ def python_blocks(markdown: str) -> list[str]:
     return re.findall(r"^```python\n(.*?)^```$", markdown, re.DOTALL | re.MULTILINE)
 
 
+def run_python(args: list[str], folder: Path) -> subprocess.CompletedProcess[str]:
+    """Python run with ``args`` in ``folder`` (its home too), importing this checkout."""
+    return subprocess.run(
+        [sys.executable, *args],
+        cwd=folder,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(folder)},
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        check=False,
+    )
+
+
 def test_python_blocks_are_found() -> None:
     """The extraction finds fenced python blocks and nothing else."""
     page = "text\n```python\na = 1\n```\n```bash\nls\n```\n```python\nb = a\n```\n"
@@ -56,17 +70,58 @@ def test_snippets_run_as_written(page: str, tmp_path: Path) -> None:
     script = PRELUDE + "\n".join(blocks).replace('backend="inductor"', 'backend="aot_eager"')
     (tmp_path / "snippets.py").write_text(script)
 
-    done = subprocess.run(
-        [sys.executable, "snippets.py"],
-        cwd=tmp_path,
-        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)},
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT_S,
-        check=False,
-    )
+    done = run_python(["snippets.py"], tmp_path)
 
     assert done.returncode == 0, f"{page}:\n{done.stderr[-3000:]}"
+
+
+# ---------------------------------------------------------------- docs/quickstart.md
+
+QUICKSTART = "docs/quickstart.md"
+LOOK = "c = score.safecompile\n"  # the first line of the block whose comments show a run
+# Appended to the blocks before it: what that block's statements return, as printed.
+SHOW = """
+import json
+import safecompile
+c = score.safecompile
+print(json.dumps({"state": repr(c.state), "stats": repr(c.stats()), "event": repr(c.events()[0]),
+                  "states": [state.value for state in safecompile.State]}))
+"""
+
+
+def comments_under(block: str) -> dict[str, str]:
+    """Each statement of a block with the comment lines under it, joined into one line."""
+    said: dict[str, str] = {}
+    statement = ""
+    for line in block.splitlines():
+        if line.startswith("#"):
+            said[statement] = f"{said.get(statement, '')} {line.lstrip('# ')}".strip()
+        else:
+            statement = line.split("  #")[0]
+    return said
+
+
+def test_quickstart_comments_show_a_run(tmp_path: Path) -> None:
+    """The quickstart's "Look at it" comments show what the page's code returns when run
+    as ``app.py``: the state (and every ``State`` listed, in order), and the fields shown
+    of ``Stats`` and of the first event, as printed."""
+    blocks = python_blocks((ROOT / QUICKSTART).read_text())
+    look = next(i for i, block in enumerate(blocks) if block.startswith(LOOK))
+    code = "\n".join(blocks[:look]).replace('backend="inductor"', 'backend="aot_eager"')
+    (tmp_path / "app.py").write_text(code + SHOW)
+
+    done = run_python(["-c", PRELUDE + "import runpy\nrunpy.run_path('app.py')"], tmp_path)
+
+    assert done.returncode == 0, done.stderr[-3000:]
+    ran = json.loads(done.stdout.splitlines()[-1])
+    said = comments_under(blocks[look])
+    state, _, every = said["c.state"].partition("Every state:")
+    assert ran["state"] in state
+    assert re.findall(r'"(\w+)"', every) == ran["states"]
+    for statement, printed in (("c.stats()", ran["stats"]), ("c.events()", ran["event"])):
+        shown = re.findall(r"\w+=[^,)]+", said[statement])
+        assert shown, statement
+        assert [field for field in shown if field not in printed] == [], printed
 
 
 # ---------------------------------------------------------------- docs/deploying.md
