@@ -267,7 +267,8 @@ def _speed_verdict(timed: list[Timing], limit: float, backend: str) -> tuple[Sta
     return (
         "pass",
         f"compiled takes {spread} eager's time ({samples})",
-        "set Rollback(slower_ratio=1.1) to fall back if traffic shapes behave worse",
+        "the speed verdict (on by default, Rollback(slower_ratio=1.05)) falls back if "
+        "traffic shapes behave worse",
     )
 
 
