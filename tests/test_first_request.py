@@ -299,10 +299,14 @@ counts = {}
 def after_safecompiles_exit_hook():
     # registered before safecompile is imported, so it runs after safecompile's own hook:
     # the worker must end (starting no queued compile) instead of working down the queue
+    # (it may have ended already: it starts no queued compile once the exit began)
     before = counts["g"]()["compiled"]
-    worker = next(t for t in threading.enumerate() if t.name == "safecompile-deferred-compiles")
-    worker.join(60)
-    print("AT EXIT", json.dumps({"alive": worker.is_alive(), "before": before,
+    name = "safecompile-deferred-compiles"
+    worker = next((t for t in threading.enumerate() if t.name == name), None)
+    if worker is not None:
+        worker.join(60)
+    alive = worker is not None and worker.is_alive()
+    print("AT EXIT", json.dumps({"alive": alive, "before": before,
                                  "after": counts["g"]()["compiled"]}), flush=True)
 
 
