@@ -9,9 +9,7 @@ takes the traced path with one ``safecompile.precompiled`` event.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -19,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from children import child_env, run_json
 from structlog.testing import capture_logs
 from torch._dynamo.utils import counters
 
@@ -446,22 +445,10 @@ def test_a_new_process_loads_inductor_graphs_without_tracing(tmp_path: Path) -> 
     code = tmp_path / "code"
     code.mkdir()
     (code / "usercode.py").write_text(textwrap.dedent(USERCODE))
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    env["SAFECOMPILE_CACHE_DIR"] = str(tmp_path / "cache")
+    env = child_env(tmp_path / "cache")
 
     def run(scale: float) -> dict[str, Any]:
-        script = CHILD.format(here=str(code), repo=str(REPO), scale=scale)
-        done = subprocess.run(
-            [sys.executable, "-c", script],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-        return result
+        return run_json(CHILD.format(here=str(code), repo=str(REPO), scale=scale), env)
 
     cold = run(1.0)
     assert cold["frames"] > 0
@@ -516,20 +503,8 @@ def test_a_replica_with_an_empty_disk_builds_no_kernel(tmp_path: Path) -> None:
     built, replica = tmp_path / "built", tmp_path / "replica"
 
     def run(cache: Path, other_cpu: bool = False) -> dict[str, Any]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR_")}
-        env["SAFECOMPILE_CACHE_DIR"] = str(cache)
         script = REPLICA.format(here=str(code), repo=str(REPO), other_cpu=other_cpu)
-        done = subprocess.run(
-            [sys.executable, "-c", script],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-            check=False,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-        return result
+        return run_json(script, child_env(cache, drop="TORCHINDUCTOR_"))
 
     first = run(built)
     assert first["frames"] > 0

@@ -10,15 +10,13 @@ frames it converted around the model's guard and first calls, as in test_precomp
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 import types
 from pathlib import Path
 from typing import Any
 
 import pytest
+from children import child_env, run_json
 
 from safecompile.base import torchcompat
 from safecompile.persist.cache import code_fingerprint
@@ -157,20 +155,8 @@ def write_code(code: Path, edited: bool) -> None:
 
 def run(code: Path, cache: Path) -> dict[str, Any]:
     script = CHILD.format(here=str(code), repo=str(REPO), forms=list(FORMS))
-    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    env["SAFECOMPILE_CACHE_DIR"] = str(cache)
-    env["PYTHONDONTWRITEBYTECODE"] = "1"  # an edit within the same second: no stale .pyc
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    # an edit within the same second: no stale .pyc
+    return run_json(script, child_env(cache, PYTHONDONTWRITEBYTECODE="1"))
 
 
 @needs_precompile

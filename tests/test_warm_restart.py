@@ -8,16 +8,13 @@ timings.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from children import child_env, run_json
 
 from safecompile import Buckets, Shadow, Warmup, pow2, safe_compile
 from safecompile.persist.cache import VerdictStore
@@ -75,14 +72,7 @@ def run_child(
     code.mkdir(exist_ok=True)
     (code / "usercode.py").write_text(textwrap.dedent(body))
     script = CHILD.format(here=str(code), repo=str(REPO), backend=backend)
-    environ = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
-    environ.update(SAFECOMPILE_CACHE_DIR=str(cache), **env)
-    done = subprocess.run(
-        [sys.executable, "-c", script], env=environ, capture_output=True, text=True, check=False
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return run_json(script, child_env(cache, **env), timeout=None)
 
 
 def test_restart_reuses_bucket_verdicts(tmp_path: Path) -> None:
