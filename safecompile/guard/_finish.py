@@ -58,15 +58,14 @@ def finish(e: Engine, call: Call, out: Any) -> Any:
         slot.held = False
         if not call.warmup:
             defer(e, call)
-    started = slot.started
-    if call.timed:  # its time goes to the speed verdict, unless it is no live call's:
-        call.timed = False  # no compiled graph served it, or it compiled one
-        sync_device(out)
-        elapsed = e.costs() - started
+    if call.started >= 0.0:  # its time goes to the speed verdict, unless it is no live
+        sync_device(out)  # call's: no compiled graph served it, or it compiled one
+        elapsed = e.costs() - call.started
+        call.started = -1.0
         served = first is not None and first.compiled and new is None
         e.speed_done(Step.TIME_COMPILED, elapsed if served else None)
-    slot.due = slot.snapshot = slot.new = slot.fresh = None  # what it noted: read above
-    slot.started = -1.0
+    started = slot.started  # when its first checked graph started
+    slot.end()
     if fresh is not None and first_runs(e, call, fresh):
         return _checked_after_breach(e, call, due, snapshot, out)
     if first is None or not first.compiled:

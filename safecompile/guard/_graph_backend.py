@@ -177,7 +177,7 @@ class GuardBackend:
         costs = self._costs
         tolerances = self._tolerances
 
-        def run(*args: Any) -> Any:  # noqa: PLR0912 - one frame on purpose
+        def run(*args: Any) -> Any:
             try:
                 slot: Slot = local.slot
             except AttributeError:  # not called through the guard (torch internals): just run
@@ -192,8 +192,7 @@ class GuardBackend:
                 slot.first = record
                 if due or record.prep:
                     slot.snapshot = snapshot(args, record)
-                    if slot.started < 0.0:
-                        slot.started = costs()
+                    slot.started = costs()
                 else:
                     slot.snapshot = None
             elif record.effects and slot.snapshot is not None:  # a later graph's objects

@@ -101,14 +101,12 @@ def _call_compiled(e: Engine, call: Call, *, force: bool) -> Any:
             return _probe(e, call)
         if step is Step.EAGER:  # a call that settles the eager arm before a probe
             return eager(e, call, "speed")
-    slot.first = slot.due = slot.snapshot = slot.new = slot.fresh = None  # a new call
-    slot.started = -1.0
+    slot.begin()
     slot.force = force
     slot.bucket = call.entry.label if call.entry is not None else None
     if step is Step.TIME_COMPILED:
         sync_device((call.args, call.kwargs))
-        call.timed = True
-        slot.started = e.costs()
+        call.started = e.costs()
     try:
         if call.plan is not None:
             return call_bucket(e, call)
@@ -122,9 +120,8 @@ def _call_compiled(e: Engine, call: Call, *, force: bool) -> Any:
     finally:
         slot.force = False
         slot.bucket = None
-        slot.started = -1.0
-        if call.timed:  # a timed call that did not reach finish(): not a time
-            call.timed = False
+        if call.started >= 0.0:  # a timed call that did not reach finish(): not a time
+            call.started = -1.0
             e.speed_done(Step.TIME_COMPILED, None)
 
 

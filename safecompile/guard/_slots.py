@@ -62,14 +62,18 @@ class Slot:
         self.snapshot: Snapshot | None = None  # state before the first graph ran
         self.new: list[GraphRecord] | None = None  # graphs compiled during this call
         self.fresh: list[FirstRun] | None = None  # graphs' first runs in this call
-        # the call's one start stamp, on the cost clock (-1.0: none): set by the slow path
-        # before a timed call, else by the wrapper when a check is due at the first graph
+        # when the first graph of a checked call started, on the cost clock (-1.0: none)
         self.started = -1.0
         # The speed verdict (safecompile.checks.speed): the hot path reports to it when
         # ``compiled`` reaches ``mark``; ``seen`` is what it was told so far. The first
         # call is told with the second (0: the next call reports: Slots.remark).
         self.mark = 1
         self.seen = 0
+
+    def begin(self) -> None:
+        """Forget the previous call (the slow path's form of the hot path's two writes)."""
+        self.first = None
+        self.end()
 
     def end(self) -> None:
         """Drop what the call noted for its check (and the references it held)."""
@@ -94,7 +98,8 @@ class Call:
     warmup: bool = False
     plan: Plan | None = None  # its bucket's plan (``None``: not bucketed)
     entry: BucketEntry | None = None  # what is known of that bucket
-    timed: bool = False  # the speed verdict times it (from ``slot.started``)
+    # when the call started, on the cost clock, if the speed verdict times it (-1.0: not)
+    started: float = -1.0
 
     @property
     def bucket(self) -> str | None:
