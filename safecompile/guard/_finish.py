@@ -93,7 +93,7 @@ def finish(e: Engine, call: Call, out: Any) -> Any:
 
 def first_runs(e: Engine, call: Call, runs: list[FirstRun]) -> bool:
     """Graphs ran for the first time in this call, their compiled code on copies that
-    need no gradients (graphs._first_run): a breach one of them showed trips (``True``)."""
+    need no gradients (._first_run): a breach one of them showed trips (``True``)."""
     for run in runs:
         seen = run.seen
         if seen is None or seen.ok:

@@ -3,7 +3,7 @@ caller's own tensors, the two compared (docs/design.md, "A graph's first run").
 
 Before a graph has run once, nothing is known of what its compiled code writes: the
 wrapper (:mod:`.backend`) hands its first run here, and leaves what it showed in the
-caller's slot for the call path (``_paths.finish``).
+caller's slot for the call path (``_finish.finish``).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def protected(
     args: tuple[Any, ...],
 ) -> tuple[Any, FirstRun]:
     """A graph's first run, protected: its outputs (eager's), and what it showed, which
-    the wrapper leaves in the caller's slot for ``_paths.finish``."""
+    the wrapper leaves in the caller's slot for ``_finish.finish``."""
     out, seen = _first_run(record, inner, traced, args, tolerances, pending)
     if seen is None or seen.ok:
         pending.traced = None  # its effects are known: later runs take the common path

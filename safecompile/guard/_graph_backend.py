@@ -248,7 +248,7 @@ def _launched_live(inner: Callable[..., Any]) -> Callable[..., Any]:
 
 
 PROTECT_FIRST_RUNS = True
-"""Whether a compiled graph's first run is protected (:func:`_first_run`). Only
+"""Whether a compiled graph's first run is protected (:mod:`._first_run`). Only
 ``bench/first_call.py`` turns it off, to measure what the protection costs."""
 
 

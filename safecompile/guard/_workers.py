@@ -84,6 +84,10 @@ class _Checks:
     """One daemon thread for every callable's async shadow checks."""
 
     def __init__(self) -> None:
+        self.renew()
+
+    def renew(self) -> None:
+        """No queue, no thread (at the start, and in a forked child, which has neither)."""
         self._queue: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._idle = threading.Condition()
@@ -127,4 +131,4 @@ def _forked() -> None:
     global _LOCK, _WORKERS
     _LOCK = threading.Lock()
     _WORKERS = weakref.WeakSet()
-    CHECKS.__init__()  # type: ignore[misc]
+    CHECKS.renew()  # the same object: shadow holds its bound methods

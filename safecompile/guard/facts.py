@@ -63,24 +63,23 @@ def read_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Reading:
     record is live then, and no compiler has rewritten it yet)."""
     frame = torchcompat.frame_code()
     random = random_op(gm)
-    facts = read_facts(gm, frame=frame, random=random)
+    facts = _facts(gm, frame, random)
     twin = twin_key(facts.code, gm, example_inputs)
     key = frame_key(frame) if frame is not None else None
     return Reading(facts, frame, key, twin, random is not None, written_inputs(gm))
 
 
-def read_facts(
-    gm: torch.fx.GraphModule,
-    *,
-    frame: types.CodeType | None = None,
-    random: str | None = None,
-) -> GraphFacts:
+def read_facts(gm: torch.fx.GraphModule) -> GraphFacts:
     """A graph's facts as dynamo hands it over (its side-effect record is live then);
-    ``unchecked`` says why a shadow check must skip it (``None``: it need not).
-    ``frame`` and ``random``: what :func:`read_graph` read already."""
+    ``unchecked`` says why a shadow check must skip it (``None``: it need not)."""
+    return _facts(gm, torchcompat.frame_code(), random_op(gm))
+
+
+def _facts(
+    gm: torch.fx.GraphModule, frame: types.CodeType | None, random: str | None
+) -> GraphFacts:
+    """:func:`read_facts`, with the frame and the random op read already."""
     effects, lost = outside_effects()
-    if random is None:
-        random = random_op(gm)
     unchecked: str | None = None
     if random is not None:
         unchecked = f"the graph draws random numbers ({random}): compiled and eager streams differ"
@@ -89,7 +88,7 @@ def read_facts(
             f"the call updates a Python object that cannot be found again to copy "
             f"({lost}): eager cannot rerun it without applying the update twice"
         )
-    code = code_name(frame if frame is not None else torchcompat.frame_code())
+    code = code_name(frame)
     return GraphFacts(describe_inputs(gm), code, unchecked, mutates_in_place(gm), effects)
 
 

@@ -111,7 +111,7 @@ class ShadowRunner:
     ) -> Outcome:
         """Check one call whose graphs ``due`` wanted a check; see the module doc."""
         graph = due[0]
-        # No snapshot: the controller has the call's first graph capture it next time.
+        # No snapshot: the call path has the call's first graph capture it next time.
         if self.policy is None or snapshot is None:
             return Outcome()
         changed = snapshot.changed()
